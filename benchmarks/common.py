@@ -1,0 +1,138 @@
+"""The benchmark contract every ``benchmarks/bench_*.py`` follows.
+
+Each benchmark runs alone (``python benchmarks/bench_x.py [--quick] [--out FILE]``); ``--quick``
+finishes within a minute on a 2-core machine. It writes one JSON document::
+
+    {"benchmark": NAME, "machine": {...}, "command": "...", "quick": bool,
+     "rows": [{"name", "value", "unit", "baseline", "baseline_value", "ratio", "target_ratio"}]}
+
+Ratios compare the tier against a baseline measured in the same run and process (memcpy, raw
+xxh3, raw NIXL, ...), never against a number from another day. ``ratio`` is value over
+baseline_value for throughputs; a row says so in its ``unit``. ``make bench`` runs every
+benchmark and regenerates BENCHMARKS.md from the JSON files (``benchmarks/render.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Row",
+    "BenchArgs",
+    "parse_args",
+    "machine_info",
+    "write_result",
+    "time_median",
+    "RESULTS_DIR",
+]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One measured figure, with the same-run baseline it is judged against."""
+
+    name: str
+    value: float
+    unit: str
+    baseline: str | None = None
+    baseline_value: float | None = None
+    target_ratio: float | None = None
+    """The ratio the tier aims for (e.g. 0.8 of memcpy); ``None`` where there is no target."""
+    note: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline_value in (None, 0):
+            return None
+        return self.value / self.baseline_value  # type: ignore[operator]
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ratio"] = self.ratio
+        if out["note"] is None:
+            del out["note"]
+        return out
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    quick: bool
+    out: Path
+
+
+def parse_args(benchmark: str, argv: list[str] | None = None) -> BenchArgs:
+    parser = argparse.ArgumentParser(description=f"tessera-ray benchmark {benchmark}")
+    parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR / f"{benchmark}.json", help="JSON result path"
+    )
+    ns = parser.parse_args(argv)
+    return BenchArgs(quick=ns.quick, out=ns.out)
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+    except OSError:
+        pass
+    return info
+
+
+def write_result(benchmark: str, args: BenchArgs, rows: list[Row]) -> dict[str, Any]:
+    """Write the contract JSON to ``args.out`` and print a short table; returns the document."""
+    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else f"bench_{benchmark}.py"
+    doc = {
+        "benchmark": benchmark,
+        "machine": machine_info(),
+        "command": f"python benchmarks/{script}" + (" --quick" if args.quick else ""),
+        "quick": args.quick,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": [r.to_json() for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    for r in rows:
+        ratio = f"  x{r.ratio:.3f} of {r.baseline}" if r.ratio is not None else ""
+        print(f"{r.name:<28} {r.value:>14.4g} {r.unit:<10}{ratio}")
+    print(f"wrote {args.out}")
+    return doc
+
+
+def time_median(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs after ``warmup`` untimed runs.
+
+    The median, not the minimum: on a shared 2-core machine the minimum rewards lucky runs.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)

@@ -1,0 +1,52 @@
+"""PNG plots. matplotlib is imported here only, lazily, so the CLI starts fast without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessera_ray.layout import ModelLayout, account, format_context
+
+__all__ = ["plot_sizes"]
+
+
+def plot_sizes(layouts: list[ModelLayout], out: Path, *, max_context: int) -> None:
+    """Stored KV bytes against context, one line per layout, MHA-equivalent dashed (log axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    top = max(max_context, 1 << 20)
+    contexts = [1 << p for p in range(10, top.bit_length())]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for layout in layouts:
+        usages = [account(layout, c) for c in contexts]
+        (line,) = ax.plot(
+            contexts,
+            [u.stored_bytes for u in usages],
+            marker="o",
+            markersize=3,
+            label=f"{layout.model} ({layout.format_name})",
+        )
+        ax.plot(
+            contexts,
+            [u.mha_bytes for u in usages],
+            linestyle="--",
+            linewidth=0.8,
+            color=line.get_color(),
+            alpha=0.6,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(contexts[::2], [format_context(c) for c in contexts[::2]])
+    gib = [1 << p for p in range(20, 51, 5)]
+    ax.set_yticks(gib, [f"{g / (1 << 30):g} GiB" for g in gib])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("KV bytes per sequence (whole pages)")
+    ax.set_title("KV cache per sequence; dashed: MHA-equivalent bf16")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)

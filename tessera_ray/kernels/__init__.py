@@ -1,0 +1,1 @@
+"""MLA decode over paged blocks: a PyTorch reference and FlashMLA / FlashInfer adapters."""

@@ -1,0 +1,1 @@
+"""Ray Serve application and the vLLM KV connector."""
