@@ -9,6 +9,13 @@ from tessera_ray.layout import ModelLayout, account, format_context
 __all__ = ["plot_sizes"]
 
 
+def _binary(nbytes: int) -> str:
+    """Power-of-two byte counts as ``32 MiB``, ``1 TiB`` (tick labels)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    unit = (nbytes.bit_length() - 1) // 10
+    return f"{nbytes >> (10 * unit)} {units[unit]}"
+
+
 def plot_sizes(layouts: list[ModelLayout], out: Path, *, max_context: int) -> None:
     """Stored KV bytes against context, one line per layout, MHA-equivalent dashed (log axes)."""
     import matplotlib
@@ -39,8 +46,9 @@ def plot_sizes(layouts: list[ModelLayout], out: Path, *, max_context: int) -> No
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks(contexts[::2], [format_context(c) for c in contexts[::2]])
-    gib = [1 << p for p in range(20, 51, 5)]
-    ax.set_yticks(gib, [f"{g / (1 << 30):g} GiB" for g in gib])
+    low, high = ax.get_ylim()
+    ticks = [1 << p for p in range(0, 61, 5) if low <= (1 << p) <= high]
+    ax.set_yticks(ticks, [_binary(t) for t in ticks])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("KV bytes per sequence (whole pages)")
     ax.set_title("KV cache per sequence; dashed: MHA-equivalent bf16")

@@ -27,7 +27,7 @@ from tessera_ray.layout.report import layout_json, render_layout, render_presets
 __all__ = ["main"]
 
 PROG = "tessera-ray"
-PLOT_MODELS = ("deepseek-v3", "kimi-k2", "deepseek-v4-flash", "llama-3.1-70b", "dense-80l-mha")
+PLOT_MODELS = ("deepseek-v3", "deepseek-v2-lite", "deepseek-v4-flash", "llama-3.1-70b", "dense-80l-mha")
 
 
 class UsageError(TesseraError, ValueError):

@@ -283,8 +283,9 @@ class ModelLayout:
         return sum(g.block_bytes for g in self.groups)
 
     def canonical(self) -> dict[str, object]:
-        """A JSON-able description holding exactly what determines the stored bytes."""
+        """A JSON-able description of what determines the stored bytes, model included."""
         return {
+            "model": self.model,
             "block_tokens": self.block_tokens,
             "layers": [
                 [
@@ -303,10 +304,14 @@ class ModelLayout:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Stable digest of the storage layout; it goes into every key, so pages of different
-        layouts never mix. Model names and notes are excluded: two presets that store the same
-        bytes the same way share a fingerprint. sha256 of canonical JSON, not ``hash()``, so it
-        is the same in every process and Python version.
+        """Stable digest of the model and its storage layout; it goes into every key, so pages of
+        different layouts or models never mix.
+
+        The model name is part of it: Kimi-K2 has DeepSeek-V3's exact page geometry, but its KV
+        for the same tokens is different bytes, and token keys (which carry the fingerprint)
+        must never let one model's pages answer another model's prompt. A fine-tune therefore
+        needs its own model name. Notes are excluded. sha256 of canonical JSON, not ``hash()``,
+        so it is the same in every process and Python version.
         """
         blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"tessera-layout/1\0" + blob).hexdigest()[:32]
