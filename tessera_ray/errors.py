@@ -9,6 +9,7 @@ say what was wrong and what to do about it.
 from __future__ import annotations
 
 __all__ = [
+    "DirectoryError",
     "TesseraError",
     "LayoutError",
     "UnknownNameError",
@@ -27,6 +28,17 @@ __all__ = [
     "PageShapeError",
     "PageNotFreeableError",
     "ArenaError",
+    "StorageError",
+    "StorageConfigError",
+    "InvalidKeyError",
+    "PageNotFoundError",
+    "CorruptPageError",
+    "DiskFullError",
+    "ReadOnlyStorageError",
+    "StorageLockedError",
+    "LayoutMismatchError",
+    "KernelError",
+    "KernelBackendUnavailableError",
 ]
 
 
@@ -110,3 +122,64 @@ class PageNotFreeableError(PoolError, ValueError):
 
 class ArenaError(PoolError, ValueError):
     """A request arena was misused: unknown or duplicate request, oversized ring, or full arena."""
+
+
+class StorageError(TesseraError, OSError):
+    """Base of every error a storage tier (``tessera_ray.storage``) raises; ``errno`` is set
+    where an operating-system error caused it."""
+
+
+class StorageConfigError(TesseraError, ValueError):
+    """A tier configuration is out of range; the message names the field."""
+
+
+class InvalidKeyError(TesseraError, ValueError):
+    """A page key is not a 16-byte content hash (or its 32-char lowercase hex form), or the
+    payload does not hash to it. Keys become file names, so anything else is refused."""
+
+
+class PageNotFoundError(StorageError, KeyError):
+    """The tier holds no page with this content hash (never stored, deleted or evicted)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message; keep one plain line
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptPageError(StorageError):
+    """A stored record failed verification (checksum, content hash, header, length or layout
+    fingerprint). It was moved to quarantine and is never served; recompute the page."""
+
+
+class DiskFullError(StorageError):
+    """The filesystem ran out of space (ENOSPC) while writing; nothing already stored was lost.
+    Free space or lower ``capacity_bytes`` below what the filesystem can hold."""
+
+
+class ReadOnlyStorageError(StorageError):
+    """The tier root is read-only (EROFS/EACCES); stored pages stay readable, writes fail."""
+
+
+class StorageLockedError(StorageError):
+    """Another process holds the tier root open; one writer per root. Close it or use another
+    root."""
+
+
+class LayoutMismatchError(StorageError, ValueError):
+    """The tier root was created for another layout fingerprint; pages of different layouts
+    never mix. Open it with the layout it was created for, or use another root."""
+
+
+class DirectoryError(TesseraError, ValueError):
+    """A directory request is malformed (bad key, namespace, replica or shard)."""
+
+
+class KernelError(TesseraError, ValueError):
+    """An attention kernel was called with tensors of the wrong shape, stride, dtype or device,
+    or with a block table / sequence lengths that do not fit the pages; the message names the
+    argument and the expected layout."""
+
+
+class KernelBackendUnavailableError(TesseraError, RuntimeError):
+    """A kernel backend was asked for by name but cannot run here (not importable, GPU too old,
+    or the inputs use a layout it does not support); ask for ``backend="auto"`` to fall back."""
+
