@@ -27,7 +27,13 @@ from tessera_ray.layout.report import layout_json, render_layout, render_presets
 __all__ = ["main"]
 
 PROG = "tessera-ray"
-PLOT_MODELS = ("deepseek-v3", "deepseek-v2-lite", "deepseek-v4-flash", "llama-3.1-70b", "dense-80l-mha")
+PLOT_MODELS = (
+    "deepseek-v3",
+    "deepseek-v2-lite",
+    "deepseek-v4-flash",
+    "llama-3.1-70b",
+    "dense-80l-mha",
+)
 
 
 class UsageError(TesseraError, ValueError):
@@ -97,6 +103,14 @@ def _cmd_size(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fsck(ns: argparse.Namespace) -> int:
+    from tessera_ray.storage.fsck import fsck
+
+    report = fsck(Path(ns.root), repair=ns.repair, progress=True if ns.progress else None)
+    print(report.render())
+    return 0 if report.ok else 1
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="A distributed KV-cache tier for Ray.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -114,6 +128,18 @@ def _build_parser() -> argparse.ArgumentParser:
     size.add_argument("--list", action="store_true", help="list presets and formats")
     size.add_argument("--plot", help="draw bytes against context to this PNG (log axes)")
     size.set_defaults(handler=_cmd_size)
+    fsck = sub.add_parser(
+        "fsck",
+        help="check every record of a disk-tier root (exit 1 when anything is wrong)",
+        description="Verify every record (header, checksum, content hash) of a disk-tier root; "
+        "report corrupt, orphan and partial files. Exit 0 when clean, 1 otherwise.",
+    )
+    fsck.add_argument("root", help="the disk tier's root directory")
+    fsck.add_argument(
+        "--repair", action="store_true", help="quarantine corrupt records, drop leftovers"
+    )
+    fsck.add_argument("--progress", action="store_true", help="show progress even off a TTY")
+    fsck.set_defaults(handler=_cmd_fsck)
     return parser
 
 

@@ -1,0 +1,168 @@
+"""On-disk record format of the disk tier, and the scanner that walks a segment file.
+
+A segment file is a run of records; a record is a 72-byte header and the payload::
+
+    magic        8s   b"TSRAYPG1"
+    version      u16  FORMAT_VERSION
+    header_bytes u16  72
+    flags        u32  0 (reserved)
+    fingerprint  16s  the layout fingerprint (32 hex chars as 16 bytes)
+    content_hash 16s  the page key
+    payload_len  u64
+    header_check u64  xxh3-64 of the 56 bytes above: lets a scan trust ``payload_len`` and
+                      skip the payload without reading it
+    record_check u64  xxh3-64 of the 64 header bytes above + the payload
+
+A removed record (deleted, or quarantined) is overwritten in place by a 24-byte tombstone
+(``b"TSRAYDD1"``, span u64, xxh3-64 of both), so a later scan skips exactly that span even
+when the original header was the corrupt part.
+
+Why xxh3-64 for the checksums: it already ships with the content hash (xxhash), runs at memory
+speed (~30 GB/s here, so verifying costs little next to a 3.4 GB/s cold read), and detects
+random bit flips as well as a CRC for this purpose; a CRC32C would need a new dependency or a
+pure-Python path that is ~100x slower. Integrity against an attacker is not its job: the
+content hash and the byte comparison in the pool handle sharing decisions.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+__all__ = [
+    "MAGIC",
+    "DEAD_MAGIC",
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "TOMBSTONE_BYTES",
+    "Header",
+    "pack_header",
+    "parse_header",
+    "record_check",
+    "pack_tombstone",
+    "parse_tombstone",
+    "ScanItem",
+    "scan_segment",
+]
+
+MAGIC = b"TSRAYPG1"
+DEAD_MAGIC = b"TSRAYDD1"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<8sHHI16s16sQ")  # up to payload_len: 56 bytes
+_CHECKS = struct.Struct("<QQ")
+HEADER_BYTES = _HEAD.size + _CHECKS.size  # 72
+_TOMB = struct.Struct("<8sQQ")
+TOMBSTONE_BYTES = _TOMB.size  # 24
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    fingerprint: bytes
+    key: bytes
+    payload_len: int
+    record_check: int
+
+
+def record_check(header64: bytes | memoryview, payload: memoryview) -> int:
+    h = xxhash.xxh3_64(header64)
+    h.update(payload)
+    return h.intdigest()
+
+
+def pack_header(fingerprint: bytes, key: bytes, payload: memoryview) -> bytes:
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, fingerprint, key, payload.nbytes)
+    hcheck = xxhash.xxh3_64_intdigest(head)
+    head64 = head + struct.pack("<Q", hcheck)
+    return head64 + struct.pack("<Q", record_check(head64, payload))
+
+
+def parse_header(buf: bytes | memoryview) -> Header | str:
+    """The header in ``buf[:72]``, or the reason it cannot be trusted."""
+    if len(buf) < HEADER_BYTES:
+        return "truncated header"
+    magic, version, hbytes, _flags, fp, key, plen = _HEAD.unpack_from(buf, 0)
+    hcheck, rcheck = _CHECKS.unpack_from(buf, _HEAD.size)
+    if magic != MAGIC:
+        return "bad magic"
+    if xxhash.xxh3_64_intdigest(bytes(buf[: _HEAD.size])) != hcheck:
+        return "header checksum mismatch"
+    if version != FORMAT_VERSION or hbytes != HEADER_BYTES:
+        return f"unsupported format version {version}"
+    return Header(fingerprint=fp, key=key, payload_len=plen, record_check=rcheck)
+
+
+def pack_tombstone(span: int) -> bytes:
+    head = struct.pack("<8sQ", DEAD_MAGIC, span)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def parse_tombstone(buf: bytes | memoryview) -> int | None:
+    """The span a valid tombstone covers, else ``None``."""
+    if len(buf) < TOMBSTONE_BYTES:
+        return None
+    magic, span, check = _TOMB.unpack_from(buf, 0)
+    if magic != DEAD_MAGIC or check != xxhash.xxh3_64_intdigest(bytes(buf[:16])):
+        return None
+    return int(span)
+
+
+@dataclass(frozen=True, slots=True)
+class ScanItem:
+    """One span of a segment: a record (``header`` set), a tombstone, or a bad span."""
+
+    offset: int
+    span: int
+    header: Header | None = None
+    problem: str | None = None
+    dead: bool = False
+
+
+def _next_magic(fd: int, start: int, size: int) -> int:
+    """Offset of the next record or tombstone magic at or after ``start``, else ``size``."""
+    import os
+
+    chunk = 1 << 20
+    pos = start
+    while pos < size:
+        data = os.pread(fd, min(chunk + 8, size - pos), pos)
+        hits = [i for i in (data.find(MAGIC), data.find(DEAD_MAGIC)) if i >= 0]
+        if hits:
+            return pos + min(hits)
+        pos += chunk
+    return size
+
+
+def scan_segment(fd: int, size: int) -> list[ScanItem]:
+    """Walk a segment's headers (payloads are not read; reads verify them).
+
+    A header that cannot be trusted makes the span up to the next magic a bad span; a record
+    whose payload runs past the end of the file is a truncated record.
+    """
+    import os
+
+    items: list[ScanItem] = []
+    pos = 0
+    while pos < size:
+        buf = os.pread(fd, HEADER_BYTES, pos)
+        span = parse_tombstone(buf)
+        if span is not None and span >= TOMBSTONE_BYTES and pos + span <= size:
+            items.append(ScanItem(offset=pos, span=span, dead=True))
+            pos += span
+            continue
+        header = parse_header(buf)
+        if isinstance(header, str):
+            end = _next_magic(fd, pos + 1, size)
+            items.append(ScanItem(offset=pos, span=end - pos, problem=header))
+            pos = end
+            continue
+        total = HEADER_BYTES + header.payload_len
+        if pos + total > size:
+            items.append(
+                ScanItem(offset=pos, span=size - pos, header=header, problem="truncated record")
+            )
+            break
+        items.append(ScanItem(offset=pos, span=total, header=header))
+        pos += total
+    return items
