@@ -1,0 +1,33 @@
+"""The pool on a CUDA device and pinned host memory (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera_ray.core import BlockPool, PoolConfig
+from tessera_ray.layout import preset_layout
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_cuda_pool_dedups_and_views() -> None:
+    layout = preset_layout("deepseek-v3")
+    pool = BlockPool.for_group(layout, 0, PoolConfig(num_pages=4, device="cuda"))
+    assert pool.data.is_cuda and pool.flashmla_view().shape == (4, 64, 1, 576)
+    page = torch.randint(0, 256, (pool.page_bytes,), dtype=torch.uint8, device="cuda")
+    a = pool.seal(pool.write(pool.allocate(), page), "t")
+    b = pool.seal(pool.write(pool.allocate(), page), "t")
+    assert b.deduplicated and b.handle == a.handle
+    pool.release_many([a.handle, b.handle])
+    (gone,) = pool.evict(1)
+    assert gone.data == page.cpu().numpy().tobytes()
+    pool.check_consistency()
+
+
+def test_cpu_pool_is_pinned_next_to_a_gpu() -> None:
+    pool = BlockPool.for_group(preset_layout("deepseek-v3"), 0, PoolConfig(num_pages=2))
+    assert pool.data.is_pinned()
