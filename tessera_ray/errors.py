@@ -183,3 +183,51 @@ class KernelBackendUnavailableError(TesseraError, RuntimeError):
     """A kernel backend was asked for by name but cannot run here (not importable, GPU too old,
     or the inputs use a layout it does not support); ask for ``backend="auto"`` to fall back."""
 
+
+
+# --------------------------------------------------------- transport (tessera_ray.transport)
+# Appended as a block (and to ``__all__`` below) so concurrent edits elsewhere in this file merge.
+
+__all__ += [
+    "TransportError",
+    "TransportConfigError",
+    "TransportUnavailableError",
+    "TransferFailedError",
+    "TransferTimeoutError",
+    "VerificationError",
+]
+
+
+class TransportError(TesseraError, OSError):
+    """Base of every error a page transport (``tessera_ray.transport``) raises: an unknown peer,
+    a transfer the backend reported as failed, a timeout, bytes that failed verification.
+
+    ``slots_safe`` is False only when a transfer could not be cancelled, so the backend may still
+    write into the reader's slots: those slots must not be reused (the fetch helper keeps them)."""
+
+    slots_safe: bool = True
+
+
+class TransportConfigError(TesseraError, ValueError):
+    """A transport configuration or call is malformed (unknown kind, non-positive timeout, slot
+    lists of different lengths, a slot outside the pool); the message names the field."""
+
+
+class TransportUnavailableError(TransportError):
+    """The requested transport cannot run here (NIXL not importable, agent creation failed, no
+    Ray); ask for ``kind="auto"`` to fall back to the Ray object store."""
+
+
+class TransferFailedError(TransportError):
+    """The backend reported the transfer as failed (the owner died, its memory went away, the
+    connection broke). The pages were not fetched; fall back to another replica or recompute."""
+
+
+class TransferTimeoutError(TransportError, TimeoutError):
+    """The transfer did not complete within ``timeout_s``; it was aborted and nothing it wrote is
+    used. Retry from another replica or recompute."""
+
+
+class VerificationError(TransportError, ValueError):
+    """Fetched bytes did not hash to the content hash the owner exported (corrupted in flight or
+    at the source). The pages were not installed; their slots went back to the free list."""

@@ -1,0 +1,135 @@
+"""DirectoryShard: namespaced token keys, replicas, purges, rebuilds; all without Ray."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from tessera_ray.actors.directory import (
+    DirectoryShard,
+    Registration,
+    Replica,
+    Tier,
+    shard_of,
+)
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.errors import DirectoryError
+
+
+def key(i: int) -> TokenKey:
+    return TokenKey(hashlib.sha256(i.to_bytes(8, "little")).digest())
+
+
+def reg(ns: str, i: int, block: int, pool: str = "p0", tier: Tier = Tier.MEMORY) -> Registration:
+    return Registration(ns, key(i), BlockHash(block), Replica(pool, tier, slot=i, generation=0))
+
+
+def test_register_and_lookup_batched() -> None:
+    d = DirectoryShard()
+    assert d.register([reg("a", i, 1000 + i) for i in range(10)]) == 10
+    results = d.lookup("a", [key(i) for i in range(12)])
+    assert [r.block_hash if r else None for r in results] == [1000 + i for i in range(10)] + [
+        None,
+        None,
+    ]
+    hit = results[3]
+    assert hit is not None and hit.replicas == (Replica("p0", Tier.MEMORY, 3, 0),)
+    s = d.stats()
+    assert (s.lookups, s.hits, s.misses, s.token_keys, s.blocks) == (12, 10, 2, 10, 10)
+
+
+def test_namespaces_are_isolated_even_with_the_same_key() -> None:
+    d = DirectoryShard()
+    d.register([reg("tenant-a", 1, 111)])
+    assert d.lookup("tenant-b", [key(1)]) == [None]
+    d.register([reg("tenant-b", 1, 222)])
+    (a,) = d.lookup("tenant-a", [key(1)])
+    (b,) = d.lookup("tenant-b", [key(1)])
+    assert a is not None and b is not None and (a.block_hash, b.block_hash) == (111, 222)
+
+
+def test_replicas_accumulate_per_pool_and_tier() -> None:
+    d = DirectoryShard()
+    d.register([reg("a", 1, 7, pool="p0"), reg("a", 1, 7, pool="p1")])
+    d.register([reg("a", 1, 7, pool="p1", tier=Tier.DISK)])
+    (r,) = d.lookup("a", [key(1)])
+    assert r is not None and {(x.pool, x.tier) for x in r.replicas} == {
+        ("p0", Tier.MEMORY),
+        ("p1", Tier.MEMORY),
+        ("p1", Tier.DISK),
+    }
+    # Re-registering the same pool and tier replaces the slot instead of adding a replica.
+    assert (
+        d.register([Registration("a", key(1), BlockHash(7), Replica("p0", Tier.MEMORY, 99, 3))])
+        == 0
+    )
+    (r,) = d.lookup("a", [key(1)])
+    assert r is not None and Replica("p0", Tier.MEMORY, 99, 3) in r.replicas
+
+
+def test_a_live_key_is_never_redirected() -> None:
+    d = DirectoryShard()
+    d.register([reg("a", 1, 7)])
+    d.register([reg("a", 1, 8, pool="p1")])
+    (r,) = d.lookup("a", [key(1)])
+    assert r is not None and r.block_hash == 7
+
+
+def test_drop_and_purge() -> None:
+    d = DirectoryShard()
+    d.register([reg("a", i, i, pool=f"p{i % 2}") for i in range(6)])
+    d.register([reg("a", 0, 0, pool="p1")])
+    assert d.drop_replicas("p0", [("a", BlockHash(0))]) == 1
+    (r,) = d.lookup("a", [key(0)])
+    assert r is not None and [x.pool for x in r.replicas] == ["p1"]
+    assert d.purge_pool("p1") == 4  # blocks 0, 1, 3, 5
+    assert [x is not None for x in d.lookup("a", [key(i) for i in range(6)])] == [
+        False,
+        False,
+        True,
+        False,
+        True,
+        False,
+    ]
+    # Keys of blocks with no replica left are forgotten on lookup.
+    assert d.stats().token_keys == 2
+    assert d.purge_pool("never-seen") == 0
+
+
+def test_rebuild_takes_only_this_shards_keys() -> None:
+    shards = [DirectoryShard(i, 4) for i in range(4)]
+    inventory = [reg("a", i, i) for i in range(64)]
+    assert sum(s.rebuild_from(inventory) for s in shards) == 64
+    for i in range(64):
+        owner = shards[shard_of(key(i), 4)]
+        (r,) = owner.lookup("a", [key(i)])
+        assert r is not None and r.block_hash == i
+
+
+def test_bad_input_changes_nothing() -> None:
+    d = DirectoryShard(0, 2)
+    mine = next(i for i in range(100) if shard_of(key(i), 2) == 0)
+    other = next(i for i in range(100) if shard_of(key(i), 2) == 1)
+    with pytest.raises(DirectoryError, match="belongs to shard 1"):
+        d.register([reg("a", mine, 1), reg("a", other, 2)])
+    assert d.stats().token_keys == 0
+    with pytest.raises(DirectoryError, match="32 bytes"):
+        d.lookup("a", [TokenKey(b"short")])
+    with pytest.raises(DirectoryError, match="namespace must be a non-empty str"):
+        d.register(
+            [
+                reg("a", mine, 1),
+                Registration("", key(mine), BlockHash(1), Replica("p", Tier.MEMORY, 0, 0)),
+            ]
+        )
+    with pytest.raises(DirectoryError, match="bad replica"):
+        d.register(
+            [
+                reg("a", mine, 1),
+                Registration("a", key(mine), BlockHash(1), Replica("", Tier.MEMORY, 0, 0)),
+            ]
+        )
+    assert d.stats().token_keys == 0 and d.stats().replicas == 0
+    with pytest.raises(DirectoryError, match="out of range"):
+        DirectoryShard(2, 2)
