@@ -7,14 +7,13 @@ become file names in the disk tier, so this module is the one gate that refuses 
 
 from __future__ import annotations
 
-import hashlib
 import re
-import struct
 from collections.abc import Callable
 from typing import Any
 
 import xxhash
 
+from tessera_ray.core.hashing import content_seed
 from tessera_ray.errors import InvalidKeyError
 
 __all__ = [
@@ -40,27 +39,13 @@ Payload = Any
 """bytes, bytearray, memoryview, or a contiguous uint8 numpy array / CPU torch tensor."""
 
 
-def _framed(*parts: bytes) -> bytes:
-    # Length-prefixed fields so ("ab", "c") and ("a", "bc") never encode the same.
-    return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
-
-
-def _seed(namespace: str, fingerprint: str) -> int:
-    # Same derivation as the pool's content seed (tessera_ray.core.hashing.content_seed), kept
-    # here because storage must not import core while core is being built; a page hashed by the
-    # pool and by a tier with the same (namespace, fingerprint) gets the same digest.
-    digest = hashlib.blake2b(
-        _framed(b"tessera-content/1", namespace.encode(), fingerprint.encode()), digest_size=8
-    ).digest()
-    return int.from_bytes(digest, "little")
-
-
 def content_hasher(namespace: str, fingerprint: str) -> ContentHasher:
     """The default content hash: xxh3-128 keyed by (tenant namespace, layout fingerprint).
 
-    The digest is big-endian, so ``digest.hex()`` equals ``xxh3_128_intdigest`` in hex.
+    Seeded exactly as the pool seeds its content hashes, so a page spilled from a pool keeps its
+    key: the digest is the pool's ``ContentHash`` integer as 16 big-endian bytes.
     """
-    seed = _seed(namespace, fingerprint)
+    seed = content_seed(namespace, fingerprint)
 
     def digest(data: memoryview) -> bytes:
         return xxhash.xxh3_128_digest(data, seed)
