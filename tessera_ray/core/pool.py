@@ -491,6 +491,36 @@ class BlockPool:
             self._evictions += 1
         return out
 
+    def evict_block(
+        self, namespace: str, token_key: TokenKey, *, copy_data: bool = True
+    ) -> list[EvictedPage] | None:
+        """Evict the pages of the block ``token_key`` names, now, out of LRU order.
+
+        For callers that choose victims by block (the pool actor evicts blocks with replicas
+        elsewhere first). Returns ``None`` and changes nothing when the key names no block or
+        any of its pages is referenced; a page also named by other blocks takes them with it,
+        as in :meth:`evict`.
+        """
+        block = self._block_index.find(self._dedup.known(namespace), token_key)
+        if block is None or any(r.refcount for r in block.pages):
+            return None
+        out: list[EvictedPage] = []
+        for rec in dict.fromkeys(block.pages):  # a deduplicated page may repeat in a block
+            self._lru.remove(rec)
+            data = self._page_buffer(rec.index).tobytes() if copy_data else None
+            out.append(
+                EvictedPage(
+                    self._dedup.names[rec.namespace],
+                    ContentHash(rec.digest),
+                    PageIndex(rec.index),
+                    data,
+                )
+            )
+            self._unindex(rec)
+            self._free_slot(rec)
+            self._evictions += 1
+        return out
+
     def _unindex(self, rec: PageRecord) -> None:
         self._dedup.remove(rec)
         self._block_index.drop_page(rec)

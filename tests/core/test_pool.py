@@ -270,3 +270,31 @@ def test_block_whose_layers_share_one_page() -> None:
     assert len(pool.evict(4)) == 1 and pool.lookup("t", k) is None
     assert pool.stats().blocks == 0
     pool.check_consistency()
+
+
+def test_evict_block_takes_exactly_that_block_and_only_when_unreferenced() -> None:
+    pool = make_pool(16, layers_per_block=2)
+    keys = [token_key("t", FINGERPRINT, None, [i]) for i in range(3)]
+    sealed = []
+    for i, k in enumerate(keys):
+        hs = [pool.write(pool.allocate(), page_of(10 * i + layer)) for layer in range(2)]
+        sealed.append(pool.seal_block(hs, "t", k))
+    # Referenced: refused, nothing changes.
+    assert pool.evict_block("t", keys[1]) is None
+    assert pool.evict_block("t", token_key("t", FINGERPRINT, None, [99])) is None
+    assert pool.evict_block("other", keys[1]) is None
+    for res in sealed:
+        pool.release_many(list(res.handles))
+    before = pool.stats()
+    # Out of LRU order: the middle block goes, its bytes come back for the tier below.
+    out = pool.evict_block("t", keys[1])
+    assert out is not None and [e.data[0] for e in out if e.data] == [10, 11]
+    assert [e.content_hash for e in out] == [p.content_hash for p in sealed[1].pages]
+    assert pool.lookup("t", keys[1]) is None
+    for k in (keys[0], keys[2]):
+        got = pool.lookup("t", k)
+        assert got is not None
+        pool.release_many(list(got))
+    after = pool.stats()
+    assert after.pages_free == before.pages_free + 2 and after.evictions == before.evictions + 2
+    pool.check_consistency()
