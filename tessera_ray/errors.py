@@ -9,6 +9,9 @@ say what was wrong and what to do about it.
 from __future__ import annotations
 
 __all__ = [
+    "TierConfigError",
+    "LeaseError",
+    "PoolUnavailableError",
     "DirectoryError",
     "TesseraError",
     "LayoutError",
@@ -184,7 +187,6 @@ class KernelBackendUnavailableError(TesseraError, RuntimeError):
     or the inputs use a layout it does not support); ask for ``backend="auto"`` to fall back."""
 
 
-
 # --------------------------------------------------------- transport (tessera_ray.transport)
 # Appended as a block (and to ``__all__`` below) so concurrent edits elsewhere in this file merge.
 
@@ -231,3 +233,18 @@ class TransferTimeoutError(TransportError, TimeoutError):
 class VerificationError(TransportError, ValueError):
     """Fetched bytes did not hash to the content hash the owner exported (corrupted in flight or
     at the source). The pages were not installed; their slots went back to the free list."""
+
+
+class TierConfigError(TesseraError, ValueError):
+    """A pool-actor or tier configuration value is invalid."""
+
+
+class LeaseError(TesseraError, KeyError):
+    """A reservation or pin is unknown or expired (its slots were returned); start over."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PoolUnavailableError(TesseraError, ConnectionError):
+    """A pool actor is dead or unreachable; its replicas are being purged."""

@@ -171,6 +171,13 @@ class BlockPool:
     def is_sealed(self, handle: PageHandle) -> bool:
         return self._resolve(handle).state == SEALED
 
+    def content_hash_of(self, handle: PageHandle) -> ContentHash:
+        """The content hash a sealed page was sealed with (what a reader verifies after a copy)."""
+        rec = self._resolve(handle)
+        if rec.state != SEALED:
+            raise PageNotSealedError(f"page {rec.index} is not sealed; it has no content hash yet")
+        return ContentHash(rec.digest)
+
     def refcount(self, handle: PageHandle) -> int:
         return self._resolve(handle).refcount
 

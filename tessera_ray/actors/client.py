@@ -1,0 +1,572 @@
+"""Every ``ray.*`` call of tessera-ray lives here: the actor shells and the client.
+
+- :class:`PoolActor`: a thin async shell over :class:`PoolService`, one per GPU (or per node on
+  CPU clusters), placed by node affinity. It reaps expired leases in the background and pulls
+  blocks from other pools (``fetch_from``): pin on the owner, move the bytes, verify every page
+  against the owner's content hash, install, unpin.
+- :class:`DirectoryActor`: a thin shell over :class:`DirectoryShard`; named, restartable. After a
+  (re)start it rebuilds itself from the pools' inventories; it checks that pools are alive and
+  purges the replicas of dead ones.
+- :class:`TesseraClient`: starts or connects to the tier; store, lookup, fetch, status. Every
+  call is batched: one directory round trip per shard per request.
+
+Actor names: ``tessera-dir-<i>`` and ``tessera-pool-<node>-<i>`` in the tier's Ray namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+from tessera_ray.actors.directory import (
+    DirectoryShard,
+    DirectoryStats,
+    LookupResult,
+    Registration,
+    Tier,
+)
+from tessera_ray.actors.links import group_by_shard
+from tessera_ray.actors.messages import PoolStatus, StoredBlock
+from tessera_ray.actors.pool_service import PoolService
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.layout import ModelLayout, preset_layout
+
+__all__ = [
+    "PoolActor",
+    "DirectoryActor",
+    "TesseraClient",
+    "FetchResult",
+    "POOL_PREFIX",
+    "DIR_PREFIX",
+]
+
+log = logging.getLogger(__name__)
+
+POOL_PREFIX = "tessera-pool-"
+DIR_PREFIX = "tessera-dir-"
+_DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+_CALL_TIMEOUT_S = 10.0
+
+
+def _shard_name(i: int) -> str:
+    return f"{DIR_PREFIX}{i}"
+
+
+class _RayDirectory:
+    """The pool's view of the directory (DirectoryLink over shard actors). A shard that is down
+    is skipped: it rebuilds from inventories when it is back, so nothing is lost."""
+
+    def __init__(self, ray_namespace: str, num_shards: int) -> None:
+        self.ray_namespace = ray_namespace
+        self.num_shards = num_shards
+
+    def _shard(self, i: int) -> Any:
+        return ray.get_actor(_shard_name(i), namespace=self.ray_namespace)
+
+    async def _call(self, i: int, method: str, *args: Any) -> Any:
+        try:
+            return await asyncio.wait_for(
+                getattr(self._shard(i), method).remote(*args), _CALL_TIMEOUT_S
+            )
+        except (*_DEAD, ValueError, TimeoutError) as exc:  # ValueError: name not found yet
+            log.warning("directory shard %d unavailable for %s: %s", i, method, exc)
+            return None
+
+    async def register(self, entries: Sequence[Registration]) -> None:
+        groups = group_by_shard([e.token_key for e in entries], self.num_shards)
+        await asyncio.gather(
+            *(self._call(s, "register", [entries[i] for i in idx]) for s, idx in groups.items())
+        )
+
+    async def drop(
+        self, pool: str, blocks: Sequence[tuple[str, BlockHash]], tier: Tier | None
+    ) -> None:
+        await asyncio.gather(
+            *(
+                self._call(s, "drop_replicas", pool, list(blocks), tier)
+                for s in range(self.num_shards)
+            )
+        )
+
+    async def lookup(
+        self, namespace: str, token_keys: Sequence[TokenKey]
+    ) -> list[LookupResult | None]:
+        out: list[LookupResult | None] = [None] * len(token_keys)
+        groups = group_by_shard(token_keys, self.num_shards)
+        answers = await asyncio.gather(
+            *(
+                self._call(s, "lookup", namespace, [token_keys[i] for i in idx])
+                for s, idx in groups.items()
+            )
+        )
+        for idx, answer in zip(groups.values(), answers, strict=True):
+            for i, r in zip(idx, answer or [None] * len(idx), strict=True):
+                out[i] = r
+        return out
+
+
+@ray.remote(num_cpus=0)
+class PoolActor:
+    """Thin shell over :class:`PoolService` (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        layout: ModelLayout,
+        config: PoolServiceConfig,
+        ray_namespace: str,
+        num_shards: int,
+    ) -> None:
+        node = ray.get_runtime_context().get_node_id()
+        self.ray_namespace = ray_namespace
+        self.svc = PoolService(
+            name, layout, config, directory=_RayDirectory(ray_namespace, num_shards), node=node
+        )
+        self._started = False
+
+    async def _start(self) -> None:
+        # Background work starts on the first call: an async actor's __init__ has no loop yet.
+        if self._started:
+            return
+        self._started = True
+        await self.svc.reopen_disk()
+        self._tasks = [asyncio.get_running_loop().create_task(self._reaper())]
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.svc.config.lease_s / 4))
+            self.svc.reap()
+
+    async def ready(self) -> str:
+        await self._start()
+        return self.svc.name
+
+    async def health(self) -> bool:
+        return True
+
+    async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Any:
+        await self._start()
+        return await self.svc.reserve(num_blocks, lease_s)
+
+    async def commit(
+        self, reservation_id: int, namespace: str, keys: list[TokenKey], payloads: np.ndarray
+    ) -> list[StoredBlock]:
+        await self._start()
+        return await self.svc.commit(reservation_id, namespace, keys, payloads)
+
+    async def abort(self, reservation_id: int) -> None:
+        self.svc.abort(reservation_id)
+
+    async def store(
+        self, namespace: str, keys: list[TokenKey], payloads: np.ndarray
+    ) -> list[StoredBlock]:
+        await self._start()
+        return await self.svc.store(namespace, keys, payloads)
+
+    async def contains(self, namespace: str, keys: list[TokenKey]) -> list[Tier | None]:
+        await self._start()
+        return self.svc.contains(namespace, keys)
+
+    async def pin(self, namespace: str, keys: list[TokenKey], lease_s: float | None = None) -> Any:
+        await self._start()
+        return await self.svc.pin(namespace, keys, lease_s)
+
+    async def unpin(self, pin_id: int) -> bool:
+        return self.svc.unpin(pin_id)
+
+    async def read_pinned(self, pin_id: int) -> np.ndarray:
+        return self.svc.read_pinned(pin_id)
+
+    async def read(self, namespace: str, keys: list[TokenKey]) -> list[np.ndarray | None]:
+        """Payloads of blocks held here (memory or disk), for callers that consume bytes."""
+        await self._start()
+        ticket = await self.svc.pin(namespace, keys)
+        try:
+            rows = iter(self.svc.read_pinned(ticket.id))
+            return [next(rows) if b is not None else None for b in ticket.blocks]
+        finally:
+            self.svc.unpin(ticket.id)
+
+    async def evict(self, num_blocks: int) -> Any:
+        await self._start()
+        return await self.svc.evict(num_blocks)
+
+    async def inventory(self) -> list[Registration]:
+        await self._start()
+        return self.svc.inventory()
+
+    async def status(self) -> PoolStatus:
+        await self._start()
+        return self.svc.status()
+
+    async def fetch_from(
+        self, owner_name: str, namespace: str, keys: list[TokenKey], timeout_s: float = 30.0
+    ) -> list[str | None]:
+        """Pull blocks from ``owner_name`` into this pool; per key ``None`` (installed or
+        already here) or the reason it was not fetched."""
+        await self._start()
+        if owner_name == self.svc.name:  # a disk replica here: pinning restores it
+            ticket = await self.svc.pin(namespace, keys)
+            self.svc.unpin(ticket.id)
+            return [None if b is not None else "not on this pool" for b in ticket.blocks]
+        try:
+            owner = ray.get_actor(owner_name, namespace=self.ray_namespace)
+            ticket = await asyncio.wait_for(owner.pin.remote(namespace, keys), timeout_s)
+        except (*_DEAD, ValueError, TimeoutError) as exc:
+            return [f"owner {owner_name} unavailable: {type(exc).__name__}"] * len(keys)
+        try:
+            held = [b for b in ticket.blocks if b is not None]
+            reasons: list[str | None] = [
+                None if b is not None else f"not held by {owner_name}" for b in ticket.blocks
+            ]
+            if held:
+                payload = await asyncio.wait_for(owner.read_pinned.remote(ticket.id), timeout_s)
+                result = await self.svc.install(namespace, held, payload)
+                errors = iter(result.errors)
+                reasons = [
+                    next(errors) if b is not None else r
+                    for b, r in zip(ticket.blocks, reasons, strict=True)
+                ]
+            return reasons
+        except (*_DEAD, TimeoutError) as exc:
+            return [f"transfer from {owner_name} failed: {type(exc).__name__}"] * len(keys)
+        finally:
+            owner.unpin.remote(ticket.id)  # fire and forget: the lease ends it anyway
+
+
+@ray.remote(num_cpus=0)
+class DirectoryActor:
+    """Thin shell over :class:`DirectoryShard`, rebuilt from pool inventories after a start."""
+
+    def __init__(
+        self, shard: int, num_shards: int, ray_namespace: str, health_interval_s: float
+    ) -> None:
+        self.shard = DirectoryShard(shard, num_shards)
+        self.ray_namespace = ray_namespace
+        self.health_interval_s = health_interval_s
+        self._rebuilt = asyncio.Event()
+        self._started = False
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            loop = asyncio.get_running_loop()
+            # Keep references: the loop holds tasks weakly.
+            self._tasks = [loop.create_task(self._rebuild()), loop.create_task(self._health_loop())]
+
+    def _pool_names(self) -> list[str]:
+        return [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == self.ray_namespace and a["name"].startswith(POOL_PREFIX)
+        ]
+
+    async def _rebuild(self) -> None:
+        try:
+            for name in self._pool_names():
+                try:
+                    pool = ray.get_actor(name, namespace=self.ray_namespace)
+                    inventory = await asyncio.wait_for(pool.inventory.remote(), _CALL_TIMEOUT_S)
+                    self.shard.rebuild_from(inventory)
+                except (*_DEAD, ValueError, TimeoutError) as exc:
+                    log.warning("rebuild: pool %s unavailable: %s", name, exc)
+        except Exception:
+            log.exception("rebuild of directory shard %d failed", self.shard.shard)
+            raise
+        finally:
+            # Even a failed rebuild ends the wait: lookups then miss, which is slower, not wrong.
+            self._rebuilt.set()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            alive = set(self._pool_names())
+            for name in self.shard.pools():
+                healthy = name in alive
+                if healthy:
+                    try:
+                        pool = ray.get_actor(name, namespace=self.ray_namespace)
+                        await asyncio.wait_for(pool.health.remote(), self.health_interval_s)
+                    except (*_DEAD, ValueError, TimeoutError):
+                        healthy = False
+                if not healthy and self.shard.purge_pool(name):
+                    log.warning("pool %s is dead: its replicas were purged", name)
+
+    async def register(self, entries: list[Registration]) -> int:
+        self._start()
+        return self.shard.register(entries)
+
+    async def lookup(self, namespace: str, keys: list[TokenKey]) -> list[LookupResult | None]:
+        self._start()
+        return self.shard.lookup(namespace, keys)
+
+    async def drop_replicas(
+        self, pool: str, blocks: list[tuple[str, BlockHash]], tier: Tier | None
+    ) -> int:
+        self._start()
+        return self.shard.drop_replicas(pool, blocks, tier)
+
+    async def purge_pool(self, pool: str) -> int:
+        self._start()
+        return self.shard.purge_pool(pool)
+
+    async def stats(self) -> DirectoryStats:
+        self._start()
+        return self.shard.stats()
+
+    @ray.method(max_task_retries=-1)  # idempotent: retried across a restart, unlike lookups
+    async def wait_rebuilt(self, timeout_s: float) -> bool:
+        """True once the index has been rebuilt from the pools' inventories."""
+        self._start()
+        try:
+            await asyncio.wait_for(self._rebuilt.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """Per requested key: where it is now available in the target pool, or why not."""
+
+    pool: str
+    local_hits: tuple[TokenKey, ...]
+    fetched: tuple[TokenKey, ...]
+    missed: tuple[TokenKey, ...]
+    failed: dict[TokenKey, str] = field(default_factory=dict)
+
+    @property
+    def available(self) -> set[TokenKey]:
+        return set(self.local_hits) | set(self.fetched)
+
+
+class TesseraClient:
+    """Starts or connects to the tier; every method is batched (one call per shard)."""
+
+    def __init__(self, config: TierConfig, layout: ModelLayout, pools: list[str]) -> None:
+        self.config = config
+        self.layout = layout
+        self.pools = pools
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def start(
+        cls,
+        config: TierConfig,
+        *,
+        layout: ModelLayout | None = None,
+        address: str | None = None,
+        pools_on: Sequence[str] | None = None,
+    ) -> TesseraClient:
+        """Start the tier: directory shards on this node, pools on every alive node (or on the
+        node ids in ``pools_on``). Starts an embedded local Ray when none is connected."""
+        if not ray.is_initialized():
+            ray.init(
+                address=address or "local",
+                namespace=config.ray_namespace,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                logging_level="ERROR",
+            )
+        layout = layout or preset_layout(config.model, format=config.format)
+        here = ray.get_runtime_context().get_node_id()
+        for i in range(config.num_shards):
+            DirectoryActor.options(  # type: ignore[attr-defined]
+                name=_shard_name(i),
+                namespace=config.ray_namespace,
+                lifetime="detached",
+                max_restarts=-1,
+                get_if_exists=True,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            ).remote(i, config.num_shards, config.ray_namespace, config.health_interval_s)
+        nodes = (
+            list(pools_on)
+            if pools_on is not None
+            else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        )
+        names: list[str] = []
+        handles = []
+        for node in nodes:
+            for j in range(config.pools_per_node):
+                name = f"{POOL_PREFIX}{node[:12]}-{j}"
+                pool_cfg = config.pool
+                if pool_cfg.disk_root is not None:
+                    pool_cfg = _with_disk(pool_cfg, name)
+                handles.append(
+                    PoolActor.options(  # type: ignore[attr-defined]
+                        name=name,
+                        namespace=config.ray_namespace,
+                        lifetime="detached",
+                        get_if_exists=True,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                    ).remote(name, layout, pool_cfg, config.ray_namespace, config.num_shards)
+                )
+                names.append(name)
+        ray.get([h.ready.remote() for h in handles])
+        return cls(config, layout, names)
+
+    @classmethod
+    def connect(
+        cls, config: TierConfig, *, layout: ModelLayout | None = None, address: str | None = None
+    ) -> TesseraClient:
+        """Attach to a running tier (started by :meth:`start` or ``tessera-ray start``)."""
+        if not ray.is_initialized():
+            ray.init(
+                address=address or "auto", namespace=config.ray_namespace, logging_level="ERROR"
+            )
+        names = sorted(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == config.ray_namespace and a["name"].startswith(POOL_PREFIX)
+        )
+        return cls(config, layout or preset_layout(config.model, format=config.format), names)
+
+    def stop(self) -> None:
+        """Kill the tier's actors (the disk tiers stay on disk)."""
+        for name in [*self.pools, *(_shard_name(i) for i in range(self.config.num_shards))]:
+            try:
+                ray.kill(ray.get_actor(name, namespace=self.config.ray_namespace), no_restart=True)
+            except ValueError:
+                pass
+
+    # ------------------------------------------------------------------ handles
+
+    def pool(self, name: str) -> Any:
+        return ray.get_actor(name, namespace=self.config.ray_namespace)
+
+    def shard(self, i: int) -> Any:
+        return ray.get_actor(_shard_name(i), namespace=self.config.ray_namespace)
+
+    def pool_on(self, node_id: str) -> str:
+        prefix = f"{POOL_PREFIX}{node_id[:12]}-"
+        return next(n for n in self.pools if n.startswith(prefix))
+
+    # ------------------------------------------------------------------ data path
+
+    def store(
+        self, namespace: str, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
+    ) -> list[StoredBlock]:
+        """Two-phase store into ``pool``: reserve, then commit (the pool registers the blocks
+        with the directory); a failed commit aborts the reservation."""
+        actor = self.pool(pool)
+        res = ray.get(actor.reserve.remote(len(token_keys)))
+        try:
+            return ray.get(actor.commit.remote(res.id, namespace, list(token_keys), payloads))
+        except BaseException:
+            actor.abort.remote(res.id)
+            raise
+
+    def lookup(self, namespace: str, token_keys: Sequence[TokenKey]) -> list[LookupResult | None]:
+        """One call per shard. A shard that is down (restarting) answers with misses."""
+        out: list[LookupResult | None] = [None] * len(token_keys)
+        groups = group_by_shard(token_keys, self.config.num_shards)
+        refs = {
+            s: self.shard(s).lookup.remote(namespace, [token_keys[i] for i in idx])
+            for s, idx in groups.items()
+        }
+        for s, idx in groups.items():
+            try:
+                answer = ray.get(refs[s], timeout=_CALL_TIMEOUT_S)
+            except (*_DEAD, ray.exceptions.GetTimeoutError) as exc:
+                log.warning("directory shard %d unavailable: %s; answering misses", s, exc)
+                continue
+            for i, r in zip(idx, answer, strict=True):
+                out[i] = r
+        return out
+
+    def purge_pool(self, pool: str) -> None:
+        for s in range(self.config.num_shards):
+            try:
+                ray.get(self.shard(s).purge_pool.remote(pool), timeout=_CALL_TIMEOUT_S)
+            except (*_DEAD, ray.exceptions.GetTimeoutError):
+                pass
+
+    def fetch(self, namespace: str, token_keys: Sequence[TokenKey], *, into: str) -> FetchResult:
+        """Make the blocks available in pool ``into``: local hits stay, blocks held elsewhere are
+        pulled (memory replicas first, then disk), a dead owner is purged and the next replica
+        tried; what no live replica has is a miss (the engine recomputes it)."""
+        results = self.lookup(namespace, token_keys)
+        local, missed = [], []
+        pending: dict[TokenKey, list[str]] = {}
+        for key, r in zip(token_keys, results, strict=True):
+            if r is None:
+                missed.append(key)
+            elif any(rep.pool == into and rep.tier == Tier.MEMORY for rep in r.replicas):
+                local.append(key)
+            else:
+                order = sorted(
+                    r.replicas, key=lambda rep: (rep.tier != Tier.MEMORY, rep.pool != into)
+                )
+                pending[key] = list(dict.fromkeys(rep.pool for rep in order))
+        fetched: list[TokenKey] = []
+        failed: dict[TokenKey, str] = {}
+        target = self.pool(into)
+        while pending:
+            by_owner: dict[str, list[TokenKey]] = {}
+            for key, owners in pending.items():
+                by_owner.setdefault(owners[0], []).append(key)
+            owners_list = list(by_owner)
+            refs = [target.fetch_from.remote(o, namespace, by_owner[o]) for o in owners_list]
+            for owner, reasons in zip(owners_list, ray.get(refs), strict=True):
+                dead = any(r is not None and "unavailable" in r for r in reasons)
+                if dead:
+                    self.purge_pool(owner)
+                for key, reason in zip(by_owner[owner], reasons, strict=True):
+                    if reason is None:
+                        fetched.append(key)
+                        del pending[key]
+                        continue
+                    pending[key].pop(0)
+                    if not pending[key]:
+                        failed[key] = reason
+                        del pending[key]
+        return FetchResult(into, tuple(local), tuple(fetched), tuple(missed), failed)
+
+    def read(
+        self, namespace: str, token_keys: Sequence[TokenKey], *, pool: str
+    ) -> list[np.ndarray | None]:
+        return ray.get(self.pool(pool).read.remote(namespace, list(token_keys)))
+
+    def evict(self, pool: str, num_blocks: int) -> Any:
+        return ray.get(self.pool(pool).evict.remote(num_blocks))
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> tuple[list[PoolStatus | str], list[DirectoryStats | str]]:
+        """Every pool's and shard's snapshot; an unreachable one is reported by a reason."""
+        pools: list[PoolStatus | str] = []
+        for name in self.pools:
+            try:
+                pools.append(ray.get(self.pool(name).status.remote(), timeout=_CALL_TIMEOUT_S))
+            except (*_DEAD, ValueError, ray.exceptions.GetTimeoutError) as exc:
+                pools.append(f"{name}: down ({type(exc).__name__})")
+        shards: list[DirectoryStats | str] = []
+        for s in range(self.config.num_shards):
+            try:
+                shards.append(ray.get(self.shard(s).stats.remote(), timeout=_CALL_TIMEOUT_S))
+            except (*_DEAD, ValueError, ray.exceptions.GetTimeoutError) as exc:
+                shards.append(f"shard {s}: down ({type(exc).__name__})")
+        return pools, shards
+
+    def wait_rebuilt(self, timeout_s: float = 30.0) -> bool:
+        """Block until every shard has rebuilt its index (after a start or a restart)."""
+        refs = [self.shard(s).wait_rebuilt.remote(timeout_s) for s in range(self.config.num_shards)]
+        try:
+            return all(ray.get(refs, timeout=timeout_s + _CALL_TIMEOUT_S))
+        except (*_DEAD, ray.exceptions.GetTimeoutError):
+            return False
+
+
+def _with_disk(cfg: PoolServiceConfig, pool_name: str) -> PoolServiceConfig:
+    assert cfg.disk_root is not None
+    return dataclasses.replace(cfg, disk_root=cfg.disk_root / pool_name)

@@ -1,0 +1,138 @@
+"""Small frozen results that cross process boundaries between client, pools and directory.
+
+Cheap to pickle, never live internal objects (STYLE.md rule 4). Every list-shaped request is
+answered by a list aligned with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera_ray.actors.directory import Tier
+from tessera_ray.core.results import BlockHash, TokenKey
+
+__all__ = [
+    "Reservation",
+    "StoredBlock",
+    "PinnedBlock",
+    "PinTicket",
+    "BlockRef",
+    "EvictionReport",
+    "InstallResult",
+    "PoolStatus",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Slots for ``num_blocks`` blocks held for the caller until ``expires_at_s`` (wall clock).
+
+    Commit or abort before then; an expired reservation is returned to the free list by the
+    pool, so a client that dies mid-store leaves nothing behind.
+    """
+
+    id: int
+    pool: str
+    num_blocks: int
+    expires_at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """One committed block: its key, content-derived block hash, and where it sits.
+
+    ``slot`` / ``generation`` name the block's first page in the pool (what the directory
+    records); ``deduplicated`` is True when every page was already stored with equal bytes;
+    ``registered`` is False when the key already named another block in this pool (the first
+    registration of a key wins, so a live key is never redirected).
+    """
+
+    token_key: TokenKey
+    block_hash: BlockHash
+    slot: int
+    generation: int
+    deduplicated: bool
+    registered: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBlock:
+    """A block held in memory for a reader: per layer group, its page slots and the content
+    hash of each page (what the reader must find after the transfer)."""
+
+    token_key: TokenKey
+    block_hash: BlockHash
+    slots: tuple[tuple[int, ...], ...]
+    content_hashes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PinTicket:
+    """Blocks pinned on ``pool`` until unpinned or ``expires_at_s``; ``blocks[i]`` answers the
+    i-th requested key (``None``: not held here)."""
+
+    id: int
+    pool: str
+    namespace: str
+    blocks: tuple[PinnedBlock | None, ...]
+    expires_at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """A block named by namespace, token key and block hash (eviction and inventory reports)."""
+
+    namespace: str
+    token_key: TokenKey
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionReport:
+    """What one eviction round did: blocks dropped from memory because other replicas exist,
+    blocks moved to disk (the last copy), and blocks lost because no disk tier was set."""
+
+    dropped: tuple[BlockRef, ...]
+    spilled: tuple[BlockRef, ...]
+    lost: tuple[BlockRef, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.dropped) + len(self.spilled) + len(self.lost)
+
+
+@dataclass(frozen=True, slots=True)
+class InstallResult:
+    """Outcome of installing fetched blocks: ``installed[i]`` for the i-th block, or the
+    reason it was refused in ``errors[i]`` (a hash mismatch, a full pool, ...)."""
+
+    installed: tuple[StoredBlock | None, ...]
+    errors: tuple[str | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    """A pool's health and usage snapshot (what `tessera-ray status` prints)."""
+
+    name: str
+    node: str
+    layout: str
+    fingerprint: str
+    block_bytes: int
+    blocks_capacity: int
+    blocks_free: int
+    blocks_in_memory: int
+    blocks_on_disk: int
+    disk_bytes: int
+    reservations: int
+    pins: int
+    dedup_hits: int
+    bytes_saved_by_dedup: int
+    collisions: int
+    evictions: int
+    spills: int
+    restores: int
+    lost_blocks: int
+    transfers_in: int
+    bytes_in: int
+    tier_counts: dict[Tier, int]

@@ -1,0 +1,577 @@
+"""The logic of one pool actor, as a plain asyncio class (the Ray actor is a thin shell).
+
+A pool holds one :class:`~tessera_ray.core.BlockPool` per layer group of the layout; a token
+block is one page per layer of every group, and its payload is those pages' bytes in group then
+layer order (``block_bytes`` in all). Everything is batched: lists in, aligned lists out.
+
+Lifecycles:
+
+- **Store, two-phase**: ``reserve`` takes free slots under a lease, ``commit`` writes, seals
+  (byte-verified dedup) and registers the blocks with the directory, ``abort`` returns them.
+  A lease that expires returns its slots, so a client dying mid-store leaves nothing behind.
+- **Read**: ``pin`` takes references on the blocks under a lease and exports their slots and
+  page content hashes (what a transport reads and the reader verifies); ``unpin`` releases.
+- **Eviction** under pressure: blocks whose other replicas the directory knows go first and are
+  simply dropped; the last copy of a block goes to the disk tier instead of vanishing.
+- **Restart**: the disk tier is reopened and its blocks are announced again.
+
+Every wall-clock deadline uses ``clock`` (injectable for tests). Methods check their input
+before changing anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tessera_ray.actors.config import PoolServiceConfig
+from tessera_ray.actors.directory import Registration, Replica, Tier
+from tessera_ray.actors.disk_blocks import DiskBlocks
+from tessera_ray.actors.links import DirectoryLink
+from tessera_ray.actors.messages import (
+    BlockRef,
+    EvictionReport,
+    InstallResult,
+    PinnedBlock,
+    PinTicket,
+    PoolStatus,
+    Reservation,
+    StoredBlock,
+)
+from tessera_ray.core import BlockPool, PageHandle, PoolConfig, block_hash, content_seed, xxh3_128
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.errors import LeaseError, PageShapeError, PoolExhaustedError
+from tessera_ray.layout import ModelLayout
+
+__all__ = ["PoolService"]
+
+_KEY_BYTES = 32
+_Key = tuple[str, bytes]
+
+
+@dataclass(slots=True)
+class _Lease:
+    handles: list[list[list[PageHandle]]]
+    """Per block, per layer group, the page handles the lease holds a reference on."""
+    expires_at_s: float
+    namespace: str = ""
+
+
+class PoolService:
+    """One pool: layer-group block pools, leases, the disk tier and directory updates."""
+
+    def __init__(
+        self,
+        name: str,
+        layout: ModelLayout,
+        config: PoolServiceConfig,
+        *,
+        directory: DirectoryLink | None = None,
+        node: str = "local",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not layout.groups:
+            raise PageShapeError(f"layout {layout.model!r} has no paged layer group to pool")
+        self.name = name
+        self.node = node
+        self.layout = layout
+        self.config = config
+        self.directory = directory
+        self.clock = clock
+        self.pools = [
+            BlockPool.for_group(
+                layout,
+                i,
+                PoolConfig(num_pages=config.num_blocks * len(g.layers), device=config.device),
+            )
+            for i, g in enumerate(layout.groups)
+        ]
+        self.group_bytes = [g.block_bytes for g in layout.groups]
+        self.block_bytes = sum(self.group_bytes)
+        self.disk = (
+            DiskBlocks(
+                config.disk_root,
+                fingerprint=layout.fingerprint,
+                capacity_bytes=config.disk_capacity_bytes,
+            )
+            if config.disk_root is not None
+            else None
+        )
+        self._resident: OrderedDict[_Key, BlockHash] = OrderedDict()  # least recently used first
+        self._on_disk: dict[_Key, BlockHash] = {}
+        self._reservations: dict[int, _Lease] = {}
+        self._pins: dict[int, _Lease] = {}
+        self._ids = itertools.count(1)
+        self._seeds: dict[str, int] = {}
+        self.spills = self.restores = self.lost = self.transfers_in = self.bytes_in = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def _seed(self, namespace: str) -> int:
+        seed = self._seeds.get(namespace)
+        if seed is None:
+            seed = self._seeds[namespace] = content_seed(namespace, self.layout.fingerprint)
+        return seed
+
+    def _lease_s(self, lease_s: float | None) -> float:
+        lease = self.config.lease_s if lease_s is None else lease_s
+        if not 0 < lease <= self.config.max_lease_s:
+            raise LeaseError(f"lease_s must be in (0, {self.config.max_lease_s}], got {lease}")
+        return lease
+
+    @staticmethod
+    def _check_keys(namespace: str, token_keys: Sequence[bytes]) -> None:
+        if not isinstance(namespace, str) or not namespace:
+            raise PageShapeError(f"namespace must be a non-empty str, got {namespace!r}")
+        for key in token_keys:
+            if not isinstance(key, bytes) or len(key) != _KEY_BYTES:
+                raise PageShapeError(f"a token key is {_KEY_BYTES} bytes, got {key!r:.40}")
+
+    def _free_blocks(self) -> int:
+        return min(p.stats().pages_free // p.layers_per_block for p in self.pools)
+
+    def reap(self) -> int:
+        """Release every expired reservation and pin; returns how many were reaped."""
+        now = self.clock()
+        reaped = 0
+        for table in (self._reservations, self._pins):
+            for lease_id in [i for i, lease in table.items() if lease.expires_at_s <= now]:
+                self._release(table.pop(lease_id))
+                reaped += 1
+        return reaped
+
+    def _release(self, lease: _Lease) -> None:
+        for per_group in lease.handles:
+            for pool, handles in zip(self.pools, per_group, strict=True):
+                pool.release_many(handles)
+
+    # ------------------------------------------------------------------ store
+
+    async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Reservation:
+        """Slots for ``num_blocks`` blocks, evicting old blocks if memory is short."""
+        self.reap()
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise PageShapeError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if num_blocks > self.config.num_blocks:
+            raise PoolExhaustedError(
+                f"{num_blocks} blocks asked of a pool of {self.config.num_blocks}; "
+                "split the request"
+            )
+        lease = self._lease_s(lease_s)
+        short = num_blocks - self._free_blocks()
+        if short > 0:
+            await self.evict(short)
+            if self._free_blocks() < num_blocks:
+                raise PoolExhaustedError(
+                    f"pool {self.name!r}: {num_blocks} blocks wanted, {self._free_blocks()} free "
+                    f"after eviction (the rest is referenced or reserved); retry later"
+                )
+        handles = [
+            [pool.allocate_many(pool.layers_per_block) for pool in self.pools]
+            for _ in range(num_blocks)
+        ]
+        rid = next(self._ids)
+        self._reservations[rid] = _Lease(handles, self.clock() + lease)
+        return Reservation(rid, self.name, num_blocks, self._reservations[rid].expires_at_s)
+
+    def abort(self, reservation_id: int) -> None:
+        lease = self._reservations.pop(reservation_id, None)
+        if lease is not None:
+            self._release(lease)
+
+    def _payload_rows(self, payloads: object, count: int) -> torch.Tensor:
+        rows: torch.Tensor | None = None
+        if isinstance(payloads, torch.Tensor):
+            rows = payloads
+        elif isinstance(payloads, np.ndarray):
+            with warnings.catch_warnings():
+                # Arrays arriving through Ray are read-only views of the object store; torch
+                # warns about that, but these rows are only ever read (copied into pages).
+                warnings.simplefilter("ignore", UserWarning)
+                rows = torch.as_tensor(payloads)
+        if rows is None or rows.dtype != torch.uint8:
+            got = getattr(payloads, "dtype", type(payloads).__name__)
+            raise PageShapeError(
+                f"payloads must be a uint8 array [blocks, {self.block_bytes}], got {got}"
+            )
+        if rows.dim() != 2 or rows.shape[0] != count or rows.shape[1] != self.block_bytes:
+            raise PageShapeError(
+                f"payloads must be [{count}, {self.block_bytes}] (one block per token key), "
+                f"got {list(rows.shape)}"
+            )
+        return rows.contiguous()
+
+    async def commit(
+        self,
+        reservation_id: int,
+        namespace: str,
+        token_keys: Sequence[TokenKey],
+        payloads: np.ndarray | torch.Tensor,
+    ) -> list[StoredBlock]:
+        """Write, seal and register the reserved blocks; unused reserved slots are returned."""
+        self.reap()
+        lease = self._reservations.get(reservation_id)
+        if lease is None:
+            raise LeaseError(
+                f"reservation {reservation_id} is unknown or expired (its slots were returned); "
+                f"reserve again"
+            )
+        self._check_keys(namespace, token_keys)
+        if len(token_keys) > len(lease.handles):
+            raise PageShapeError(
+                f"{len(token_keys)} blocks for a reservation of {len(lease.handles)}"
+            )
+        rows = self._payload_rows(payloads, len(token_keys))
+        del self._reservations[reservation_id]
+        stored = [
+            self._seal(namespace, key, lease.handles[i], rows[i])
+            for i, key in enumerate(token_keys)
+        ]
+        for per_group in lease.handles[len(token_keys) :]:
+            for pool, handles in zip(self.pools, per_group, strict=True):
+                pool.release_many(handles)
+        await self._announce(namespace, stored, Tier.MEMORY)
+        return stored
+
+    def _seal(
+        self, namespace: str, key: TokenKey, per_group: list[list[PageHandle]], row: torch.Tensor
+    ) -> StoredBlock:
+        offset, hashes, dedup, registered = 0, [], True, True
+        first: PageHandle | None = None
+        for pool, handles, nbytes in zip(self.pools, per_group, self.group_bytes, strict=True):
+            data = row[offset : offset + nbytes].view(pool.layers_per_block, pool.page_bytes)
+            offset += nbytes
+            written = pool.write_many(handles, data)
+            result = pool.seal_block(written, namespace, key)
+            pool.release_many(list(result.handles))  # stored blocks wait in the LRU, findable
+            hashes.append(result.block_hash)
+            dedup &= all(p.deduplicated for p in result.pages)
+            registered &= result.token_key_registered
+            first = first or result.handles[0]
+        bh = hashes[0] if len(hashes) == 1 else block_hash(hashes, self._seed(namespace))
+        assert first is not None
+        if registered:
+            self._resident[(namespace, key)] = BlockHash(bh)
+            self._resident.move_to_end((namespace, key))
+        return StoredBlock(
+            key, BlockHash(bh), first.offset // first.length, first.generation, dedup, registered
+        )
+
+    async def _announce(self, namespace: str, blocks: Sequence[StoredBlock], tier: Tier) -> None:
+        if self.directory is None:
+            return
+        entries = [
+            Registration(
+                namespace, b.token_key, b.block_hash, Replica(self.name, tier, b.slot, b.generation)
+            )
+            for b in blocks
+            if b.registered
+        ]
+        if entries:
+            await self.directory.register(entries)
+
+    async def store(
+        self, namespace: str, token_keys: Sequence[TokenKey], payloads: np.ndarray | torch.Tensor
+    ) -> list[StoredBlock]:
+        """Reserve and commit in one call (for callers already holding the bytes)."""
+        self._check_keys(namespace, token_keys)
+        self._payload_rows(payloads, len(token_keys))
+        res = await self.reserve(len(token_keys))
+        return await self.commit(res.id, namespace, token_keys, payloads)
+
+    # ------------------------------------------------------------------ read
+
+    def contains(self, namespace: str, token_keys: Sequence[TokenKey]) -> list[Tier | None]:
+        """Where this pool holds each block: memory, disk, or nowhere."""
+        self._check_keys(namespace, token_keys)
+        out: list[Tier | None] = []
+        for key in token_keys:
+            if self.pools[0].contains(namespace, key):
+                out.append(Tier.MEMORY)
+            elif (namespace, key) in self._on_disk:
+                out.append(Tier.DISK)
+            else:
+                out.append(None)
+        return out
+
+    async def pin(
+        self, namespace: str, token_keys: Sequence[TokenKey], lease_s: float | None = None
+    ) -> PinTicket:
+        """Hold the blocks in memory for a reader (restoring disk-only ones first)."""
+        self.reap()
+        self._check_keys(namespace, token_keys)
+        lease = self._lease_s(lease_s)
+        await self._restore(
+            namespace, [k for k in token_keys if not self.pools[0].contains(namespace, k)]
+        )
+        held: list[list[list[PageHandle]]] = []
+        blocks: list[PinnedBlock | None] = []
+        vanished: list[tuple[str, BlockHash]] = []
+        for key in token_keys:
+            per_group = [pool.lookup(namespace, key) for pool in self.pools]
+            if any(h is None for h in per_group):
+                for pool, h in zip(self.pools, per_group, strict=True):
+                    if h is not None:
+                        pool.release_many(list(h))
+                bh = self._resident.pop((namespace, key), None)
+                if bh is not None:  # dropped with a deduplicated page of another block
+                    vanished.append((namespace, bh))
+                blocks.append(None)
+                continue
+            handles = [list(h) for h in per_group if h is not None]
+            held.append(handles)
+            self._resident.move_to_end((namespace, key))
+            blocks.append(
+                PinnedBlock(
+                    key,
+                    self._resident[(namespace, key)],
+                    tuple(tuple(h.offset // h.length for h in hs) for hs in handles),
+                    tuple(
+                        tuple(pool.content_hash_of(h) for h in hs)
+                        for pool, hs in zip(self.pools, handles, strict=True)
+                    ),
+                )
+            )
+        if vanished and self.directory is not None:
+            await self.directory.drop(self.name, vanished, Tier.MEMORY)
+        pid = next(self._ids)
+        self._pins[pid] = _Lease(held, self.clock() + lease, namespace)
+        return PinTicket(pid, self.name, namespace, tuple(blocks), self._pins[pid].expires_at_s)
+
+    def unpin(self, pin_id: int) -> bool:
+        lease = self._pins.pop(pin_id, None)
+        if lease is None:
+            return False
+        self._release(lease)
+        return True
+
+    def read_pinned(self, pin_id: int) -> np.ndarray:
+        """The pinned blocks' payloads, ``[blocks held, block_bytes]`` (the object-store path)."""
+        lease = self._pins.get(pin_id)
+        if lease is None:
+            raise LeaseError(f"pin {pin_id} is unknown or expired; pin again")
+        out = np.empty((len(lease.handles), self.block_bytes), dtype=np.uint8)
+        for i, per_group in enumerate(lease.handles):
+            offset = 0
+            for pool, handles, nbytes in zip(self.pools, per_group, self.group_bytes, strict=True):
+                idx = torch.tensor([h.offset // h.length for h in handles])
+                out[i, offset : offset + nbytes] = (
+                    pool.data.index_select(0, idx).reshape(-1).cpu().numpy()
+                )
+                offset += nbytes
+        return out
+
+    async def install(
+        self, namespace: str, blocks: Sequence[PinnedBlock], payloads: np.ndarray | torch.Tensor
+    ) -> InstallResult:
+        """Install fetched blocks after checking every page against the owner's content hash.
+
+        A block with any mismatching page is refused whole (never sealed here); the others are
+        sealed and registered as replicas of this pool.
+        """
+        self._check_keys(namespace, [b.token_key for b in blocks])
+        rows = self._payload_rows(payloads, len(blocks))
+        seed = self._seed(namespace)
+        good: list[int] = []
+        errors: list[str | None] = [None] * len(blocks)
+        for i, block in enumerate(blocks):
+            bad = self._verify(rows[i], block, seed)
+            if bad is not None:
+                errors[i] = bad
+            else:
+                good.append(i)
+        installed: list[StoredBlock | None] = [None] * len(blocks)
+        if good:
+            res = await self.reserve(len(good))
+            stored = await self.commit(
+                res.id, namespace, [blocks[i].token_key for i in good], rows[good]
+            )
+            for i, s in zip(good, stored, strict=True):
+                installed[i] = s
+            self.transfers_in += len(good)
+            self.bytes_in += len(good) * self.block_bytes
+        return InstallResult(tuple(installed), tuple(errors))
+
+    def _verify(self, row: torch.Tensor, block: PinnedBlock, seed: int) -> str | None:
+        view = row.numpy()
+        offset = 0
+        for g, pool in enumerate(self.pools):
+            expected = block.content_hashes[g] if g < len(block.content_hashes) else ()
+            if len(expected) != pool.layers_per_block:
+                return f"block {block.token_key[:4].hex()}: wrong page count for group {g}"
+            for layer, want in enumerate(expected):
+                page = view[offset : offset + pool.page_bytes]
+                offset += pool.page_bytes
+                if xxh3_128(memoryview(page), seed) != want:
+                    return (
+                        f"block {block.token_key[:4].hex()}...: page {layer} of group {g} does not "
+                        f"match the owner's content hash; not installed"
+                    )
+        return None
+
+    # ------------------------------------------------------------------ eviction and disk
+
+    async def evict(self, num_blocks: int) -> EvictionReport:
+        """Evict up to ``num_blocks`` unreferenced blocks: replicated ones first (dropped), then
+        least recently used ones, whose last copy goes to disk."""
+        candidates = [k for k in self._resident]
+        replicated: set[_Key] = set()
+        if self.directory is not None and candidates:
+            by_ns: dict[str, list[_Key]] = {}
+            for k in candidates:
+                by_ns.setdefault(k[0], []).append(k)
+            for ns, keys in by_ns.items():
+                results = await self.directory.lookup(ns, [TokenKey(k[1]) for k in keys])
+                for k, r in zip(keys, results, strict=True):
+                    if r is not None and any(
+                        rep.pool != self.name and rep.tier == Tier.MEMORY for rep in r.replicas
+                    ):
+                        replicated.add(k)
+        order = [k for k in candidates if k in replicated] + [
+            k for k in candidates if k not in replicated
+        ]
+        dropped: list[BlockRef] = []
+        spill: dict[str, list[tuple[TokenKey, BlockHash, bytes]]] = {}
+        for ns, key in order:
+            if len(dropped) + sum(len(v) for v in spill.values()) >= num_blocks:
+                break
+            payload = self._evict_block(ns, TokenKey(key))
+            if payload is None:
+                continue
+            bh = self._resident.pop((ns, key))
+            if (ns, key) in replicated or (ns, key) in self._on_disk:
+                dropped.append(BlockRef(ns, TokenKey(key), bh))
+            else:
+                spill.setdefault(ns, []).append((TokenKey(key), bh, payload))
+        spilled: list[BlockRef] = []
+        lost: list[BlockRef] = []
+        for ns, items in spill.items():
+            refs = [BlockRef(ns, k, bh) for k, bh, _ in items]
+            if self.disk is None:
+                lost.extend(refs)
+                continue
+            await self.disk.put(ns, items)
+            spilled.extend(refs)
+            for r in refs:
+                self._on_disk[(ns, r.token_key)] = r.block_hash
+        self.spills += len(spilled)
+        self.lost += len(lost)
+        if self.directory is not None:
+            gone = [(r.namespace, r.block_hash) for r in (*dropped, *spilled, *lost)]
+            if gone:
+                await self.directory.drop(self.name, gone, Tier.MEMORY)
+            for ns in {r.namespace for r in spilled}:
+                await self.directory.register(
+                    [
+                        Registration(
+                            ns, r.token_key, r.block_hash, Replica(self.name, Tier.DISK, 0, 0)
+                        )
+                        for r in spilled
+                        if r.namespace == ns
+                    ]
+                )
+        return EvictionReport(tuple(dropped), tuple(spilled), tuple(lost))
+
+    def _evict_block(self, namespace: str, key: TokenKey) -> bytes | None:
+        # Pins and lookups reference every group's pages together, so either every group
+        # evicts or none does; the first group decides.
+        parts: list[bytes] = []
+        for g, pool in enumerate(self.pools):
+            pages = pool.evict_block(namespace, key)
+            if pages is None:
+                assert g == 0, "block referenced in one layer group but not in another"
+                return None
+            parts.extend(p.data or b"" for p in pages)
+        return b"".join(parts)
+
+    async def _restore(self, namespace: str, token_keys: Sequence[TokenKey]) -> None:
+        wanted = [k for k in token_keys if (namespace, k) in self._on_disk]
+        if not wanted or self.disk is None:
+            return
+        found = await self.disk.get(namespace, wanted)
+        keys = [k for k, f in zip(wanted, found, strict=True) if f is not None]
+        for k, f in zip(wanted, found, strict=True):
+            if f is None:
+                self._on_disk.pop((namespace, k), None)
+        if not keys:
+            return
+        rows = np.stack([np.frombuffer(f[1], dtype=np.uint8) for f in found if f is not None])
+        res = await self.reserve(len(keys))
+        await self.commit(res.id, namespace, keys, rows)
+        self.restores += len(keys)
+
+    async def reopen_disk(self) -> int:
+        """After a restart: learn the disk tier's blocks again and announce them."""
+        if self.disk is None:
+            return 0
+        blocks = await self.disk.reopen()
+        for b in blocks:
+            self._on_disk[(b.namespace, b.token_key)] = b.block_hash
+        if self.directory is not None and blocks:
+            await self.directory.register(
+                [
+                    Registration(
+                        b.namespace, b.token_key, b.block_hash, Replica(self.name, Tier.DISK, 0, 0)
+                    )
+                    for b in blocks
+                ]
+            )
+        return len(blocks)
+
+    # ------------------------------------------------------------------ inventory and status
+
+    def inventory(self) -> list[Registration]:
+        """Every block this pool can serve, as directory registrations (for a rebuild)."""
+        out = [
+            Registration(ns, TokenKey(key), bh, Replica(self.name, Tier.MEMORY, 0, 0))
+            for (ns, key), bh in self._resident.items()
+            if self.pools[0].contains(ns, TokenKey(key))
+        ]
+        out += [
+            Registration(ns, TokenKey(key), bh, Replica(self.name, Tier.DISK, 0, 0))
+            for (ns, key), bh in self._on_disk.items()
+        ]
+        return out
+
+    def status(self) -> PoolStatus:
+        stats = [p.stats() for p in self.pools]
+        _, disk_bytes = self.disk.stats() if self.disk is not None else (0, 0)
+        return PoolStatus(
+            name=self.name,
+            node=self.node,
+            layout=f"{self.layout.model}/{self.layout.format_name}",
+            fingerprint=self.layout.fingerprint,
+            block_bytes=self.block_bytes,
+            blocks_capacity=self.config.num_blocks,
+            blocks_free=self._free_blocks(),
+            blocks_in_memory=len(self._resident),
+            blocks_on_disk=len(self._on_disk),
+            disk_bytes=disk_bytes,
+            reservations=len(self._reservations),
+            pins=len(self._pins),
+            dedup_hits=sum(s.dedup_hits for s in stats),
+            bytes_saved_by_dedup=sum(s.bytes_saved_by_dedup for s in stats),
+            collisions=sum(s.collisions for s in stats),
+            evictions=sum(s.evictions for s in stats),
+            spills=self.spills,
+            restores=self.restores,
+            lost_blocks=self.lost,
+            transfers_in=self.transfers_in,
+            bytes_in=self.bytes_in,
+            tier_counts={Tier.MEMORY: len(self._resident), Tier.DISK: len(self._on_disk)},
+        )
+
+    async def close(self) -> None:
+        for table in (self._reservations, self._pins):
+            for lease in table.values():
+                self._release(lease)
+            table.clear()
+        if self.disk is not None:
+            await self.disk.close()

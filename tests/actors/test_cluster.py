@@ -1,0 +1,171 @@
+"""The tier on a 3-node simulated Ray cluster: cross-node fetch, dedup across agents, a dead
+pool, a restarting directory shard, and a client that dies between reserve and commit."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from tessera_ray.actors.client import TesseraClient
+from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+from tessera_ray.actors.directory import Tier
+from tessera_ray.actors.messages import PoolStatus
+from tessera_ray.core import token_key
+from tessera_ray.layout import MLAConfig, build_layout
+from tests.conftest import SimCluster
+
+pytestmark = pytest.mark.ray
+
+LAYOUT = build_layout(MLAConfig(name="tiny-mla", num_layers=2, num_heads=4))
+
+
+def prefix(ns: str, n: int, salt: int = 0) -> list[bytes]:
+    keys, parent = [], None
+    for i in range(n):
+        parent = token_key(ns, LAYOUT.fingerprint, parent, [salt * 1000 + i] * 64)
+        keys.append(parent)
+    return keys
+
+
+def blocks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, LAYOUT.block_bytes), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def tier(
+    tessera_cluster: SimCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TesseraClient]:
+    disk: Path = tmp_path_factory.mktemp("disk")
+    config = TierConfig(
+        model="tiny-mla",
+        pool=PoolServiceConfig(num_blocks=24, disk_root=disk, lease_s=2.0),
+        num_shards=2,
+        ray_namespace="tessera-test-cluster",
+        health_interval_s=0.5,
+    )
+    client = TesseraClient.start(config, layout=LAYOUT, pools_on=tessera_cluster.node_ids)
+    yield client
+    client.stop()
+
+
+def test_store_on_node1_fetch_on_node3_byte_exact(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    n1, _, n3 = (tier.pool_on(n) for n in tessera_cluster.node_ids)
+    keys, data = prefix("agents", 3, salt=1), blocks(3, 1)
+    stored = tier.store("agents", keys, data, pool=n1)
+    assert all(s.registered for s in stored)
+    found = tier.lookup("agents", keys)
+    assert all(r is not None and r.replicas[0].pool == n1 for r in found)
+    result = tier.fetch("agents", keys, into=n3)
+    assert set(result.fetched) == set(keys) and not result.failed
+    got = tier.read("agents", keys, pool=n3)
+    assert all(g is not None for g in got)
+    assert np.array_equal(np.stack(got), data)
+    # The directory now lists both copies; another tenant sees nothing.
+    assert {rep.pool for rep in tier.lookup("agents", keys)[0].replicas} == {n1, n3}
+    assert tier.lookup("someone-else", keys) == [None] * 3
+
+
+def test_sixteen_agents_keep_one_copy_per_node_then_one_cluster_wide(
+    tier: TesseraClient,
+    tessera_cluster: SimCluster,
+) -> None:
+    pools = [tier.pool_on(n) for n in tessera_cluster.node_ids]
+    keys, data = prefix("fleet", 4, salt=2), blocks(4, 2)
+    before = {p: _status(tier, p) for p in pools}
+    for agent in range(16):
+        pool = pools[agent % 3]
+        got = tier.fetch("fleet", keys, into=pool)
+        missing = [k for k in keys if k not in got.available]
+        if missing:  # first agent: nothing anywhere yet, it computes and stores
+            idx = [keys.index(k) for k in missing]
+            tier.store("fleet", missing, data[idx], pool=pool)
+    for p in pools:
+        held = ray.get(tier.pool(p).contains.remote("fleet", keys))
+        assert held == [Tier.MEMORY] * 4, p  # one copy per node, not one per agent
+        assert _status(tier, p).blocks_in_memory - before[p].blocks_in_memory == 4
+    # Evict the extra replicas: replica-aware eviction drops copies that exist elsewhere.
+    for p in pools[1:]:
+        report = tier.evict(p, 24)
+        assert {r.token_key for r in report.dropped} >= set(keys)
+    copies = [ray.get(tier.pool(p).contains.remote("fleet", keys)) for p in pools]
+    assert copies[0] == [Tier.MEMORY] * 4 and copies[1] == copies[2] == [None] * 4
+    found = tier.lookup("fleet", keys)
+    assert all(r is not None and [rep.pool for rep in r.replicas] == [pools[0]] for r in found)
+    got = tier.read("fleet", keys, pool=pools[0])
+    assert np.array_equal(np.stack(got), data)
+
+
+def _status(tier: TesseraClient, pool: str) -> PoolStatus:
+    return ray.get(tier.pool(pool).status.remote())
+
+
+def test_client_dying_between_reserve_and_commit_leaves_nothing(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    pool = tier.pool_on(tessera_cluster.node_ids[1])
+    free = _status(tier, pool).blocks_free
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def reserve_and_die(name: str, namespace: str) -> None:
+        import os
+
+        actor = ray.get_actor(name, namespace=namespace)
+        ray.get(actor.reserve.remote(5, 1.0))
+        os._exit(1)
+
+    with pytest.raises(ray.exceptions.WorkerCrashedError):
+        ray.get(reserve_and_die.remote(pool, tier.config.ray_namespace))
+    status = _status(tier, pool)
+    assert status.reservations == 1 and status.blocks_free == free - 5
+    deadline = time.monotonic() + 10
+    while _status(tier, pool).reservations and time.monotonic() < deadline:
+        time.sleep(0.25)  # the lease (1 s) expires; the pool's reaper returns the slots
+    status = _status(tier, pool)
+    assert status.reservations == 0 and status.blocks_free == free
+
+
+def test_directory_shard_restart_misses_then_rebuilds(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    pool = tier.pool_on(tessera_cluster.node_ids[0])
+    keys, data = prefix("restart", 8, salt=3), blocks(8, 3)
+    stored = tier.store("restart", keys, data, pool=pool)
+    expected = {s.token_key: s.block_hash for s in stored}
+    ray.kill(tier.shard(0), no_restart=False)  # the shard restarts (max_restarts=-1)
+    during = tier.lookup("restart", keys)  # never raises; a shard that is down answers misses
+    assert all(r is None or r.block_hash == expected[k] for k, r in zip(keys, during, strict=True))
+    assert tier.wait_rebuilt(30)
+    after = tier.lookup("restart", keys)
+    assert [r.block_hash if r else None for r in after] == [expected[k] for k in keys]
+    assert all(r.replicas[0].pool == pool for r in after if r)
+
+
+def test_dead_pool_is_purged_and_requests_fall_back(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    head, victim, other = (tier.pool_on(n) for n in tessera_cluster.node_ids)
+    keys, data = prefix("chaos", 6, salt=4), blocks(6, 4)
+    tier.store("chaos", keys, data, pool=victim)
+    assert set(tier.fetch("chaos", keys[:3], into=other).fetched) == set(keys[:3])
+    ray.kill(tier.pool(victim), no_restart=True)
+    result = tier.fetch("chaos", keys, into=head)
+    # Blocks with a live replica come from it, byte-exact; the rest are misses, never wrong.
+    assert set(result.fetched) == set(keys[:3])
+    assert set(result.failed) | set(result.missed) == set(keys[3:])
+    got = tier.read("chaos", keys[:3], pool=head)
+    assert np.array_equal(np.stack(got), data[:3])
+    for r in tier.lookup("chaos", keys):
+        assert r is None or all(rep.pool != victim for rep in r.replicas)
+    # The shards' health checks purge it too (for keys no client touched yet).
+    untouched = prefix("chaos-untouched", 2, salt=5)
+    tier.store("chaos-untouched", untouched, blocks(2, 5), pool=other)
+    assert all(r is not None for r in tier.lookup("chaos-untouched", untouched))
+    pools, _ = tier.status()
+    assert any(isinstance(p, str) and victim in p and "down" in p for p in pools)

@@ -1,0 +1,201 @@
+"""PoolService without Ray: two-phase store, leases, pins, verified install, replica-aware
+eviction with disk spill, restart from disk."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from tessera_ray.actors.config import PoolServiceConfig
+from tessera_ray.actors.directory import Tier
+from tessera_ray.actors.links import LocalDirectory
+from tessera_ray.actors.pool_service import PoolService
+from tessera_ray.core import token_key
+from tessera_ray.errors import LeaseError, PageShapeError, PoolExhaustedError
+from tessera_ray.layout import MLAConfig, build_layout
+
+LAYOUT = build_layout(MLAConfig(name="tiny-mla", num_layers=2, num_heads=4))
+NS = "tenant-a"
+T = TypeVar("T")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def keys(n: int, ns: str = NS, start: int = 0) -> list[bytes]:
+    out, parent = [], None
+    for i in range(start, start + n):
+        parent = token_key(ns, LAYOUT.fingerprint, parent, [i] * 64)
+        out.append(parent)
+    return out
+
+
+def payloads(n: int, seed: int, block_bytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+
+
+def make(
+    name: str = "p0",
+    *,
+    num_blocks: int = 8,
+    directory: LocalDirectory | None = None,
+    disk: Path | None = None,
+    clock: Clock | None = None,
+) -> PoolService:
+    cfg = PoolServiceConfig(num_blocks=num_blocks, disk_root=disk, lease_s=10.0)
+    return PoolService(name, LAYOUT, cfg, directory=directory, clock=clock or Clock())
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def test_store_pin_read_round_trip() -> None:
+    d = LocalDirectory(2)
+    pool = make(directory=d)
+    ks, data = keys(3), payloads(3, 0, pool.block_bytes)
+    stored = run(pool.store(NS, ks, data))
+    assert [s.token_key for s in stored] == ks and all(s.registered for s in stored)
+    assert pool.contains(NS, ks) == [Tier.MEMORY] * 3
+    ticket = run(pool.pin(NS, ks))
+    assert all(b is not None for b in ticket.blocks)
+    assert np.array_equal(pool.read_pinned(ticket.id), data)
+    assert pool.unpin(ticket.id) and not pool.unpin(ticket.id)
+    found = run(d.lookup(NS, ks))
+    assert [r.block_hash for r in found if r] == [s.block_hash for s in stored]
+    assert run(d.lookup("tenant-b", ks)) == [None] * 3
+
+
+def test_reservation_expires_and_returns_slots() -> None:
+    clock = Clock()
+    pool = make(clock=clock)
+    free = pool.status().blocks_free
+    res = run(pool.reserve(3))
+    assert pool.status().blocks_free == free - 3
+    clock.now += 11
+    assert pool.reap() == 1
+    assert pool.status().blocks_free == free and pool.status().reservations == 0
+    with pytest.raises(LeaseError, match="unknown or expired"):
+        run(pool.commit(res.id, NS, keys(1), payloads(1, 0, pool.block_bytes)))
+
+
+def test_commit_uses_part_of_a_reservation_and_returns_the_rest() -> None:
+    pool = make()
+    res = run(pool.reserve(4))
+    run(pool.commit(res.id, NS, keys(2), payloads(2, 1, pool.block_bytes)))
+    s = pool.status()
+    assert s.reservations == 0 and s.blocks_in_memory == 2 and s.blocks_free == 6
+
+
+def test_bad_input_changes_nothing() -> None:
+    pool = make()
+    res = run(pool.reserve(2))
+    with pytest.raises(PageShapeError, match=r"payloads must be \[2, "):
+        run(pool.commit(res.id, NS, keys(2), payloads(1, 0, pool.block_bytes)))
+    with pytest.raises(PageShapeError, match="token key is 32 bytes"):
+        run(pool.commit(res.id, NS, [b"short"], payloads(1, 0, pool.block_bytes)))
+    with pytest.raises(PageShapeError, match="payloads must be a uint8 array"):
+        run(pool.commit(res.id, NS, keys(1), payloads(1, 0, pool.block_bytes).astype(np.int16)))
+    # The reservation survived every refused commit.
+    run(pool.commit(res.id, NS, keys(2), payloads(2, 0, pool.block_bytes)))
+    with pytest.raises(PoolExhaustedError, match="split the request"):
+        run(pool.reserve(9))
+    with pytest.raises(LeaseError, match="lease_s must be"):
+        run(pool.reserve(1, lease_s=10_000))
+
+
+def test_pinned_blocks_are_never_evicted_and_pins_expire() -> None:
+    clock = Clock()
+    pool = make(num_blocks=2, clock=clock)
+    ks = keys(2)
+    run(pool.store(NS, ks, payloads(2, 2, pool.block_bytes)))
+    ticket = run(pool.pin(NS, ks))
+    with pytest.raises(PoolExhaustedError, match="after eviction"):
+        run(pool.reserve(1))
+    clock.now += 11
+    res = run(pool.reserve(1))  # the pin expired: its blocks became evictable
+    assert res.num_blocks == 1 and pool.status().pins == 0
+    assert ticket.id not in pool._pins
+
+
+def test_install_verifies_every_page_against_the_owner() -> None:
+    owner, reader = make("owner"), make("reader")
+    ks = keys(2)
+    data = payloads(2, 3, owner.block_bytes)
+    run(owner.store(NS, ks, data))
+    ticket = run(owner.pin(NS, ks))
+    moved = owner.read_pinned(ticket.id).copy()
+    moved[1, 100] ^= 0xFF  # corrupted in flight
+    result = run(reader.install(NS, list(ticket.blocks), moved))
+    assert result.installed[0] is not None and result.errors[0] is None
+    assert result.installed[1] is None and "does not match" in (result.errors[1] or "")
+    assert reader.contains(NS, ks) == [Tier.MEMORY, None]
+    got = run(reader.pin(NS, ks[:1]))
+    assert np.array_equal(reader.read_pinned(got.id), data[:1])
+
+
+def test_dedup_sixteen_agents_one_copy() -> None:
+    pool = make(num_blocks=8)
+    ks = keys(4)
+    data = payloads(4, 4, pool.block_bytes)
+    for _ in range(16):
+        run(pool.store(NS, ks, data))
+    s = pool.status()
+    assert s.blocks_in_memory == 4 and s.blocks_free == 4
+    assert s.dedup_hits == 15 * 4 * LAYOUT.num_layers
+
+
+def test_eviction_drops_replicated_blocks_first_and_spills_last_copies(tmp_path: Path) -> None:
+    d = LocalDirectory(2)
+    a = make("a", num_blocks=4, directory=d, disk=tmp_path / "a")
+    b = make("b", num_blocks=4, directory=d)
+    ks = keys(4)
+    data = payloads(4, 5, a.block_bytes)
+    run(a.store(NS, ks, data))
+    run(b.store(NS, ks[2:], data[2:]))  # blocks 2 and 3 have a replica on b
+    report = run(a.evict(3))
+    assert {r.token_key for r in report.dropped} == set(ks[2:])
+    assert [r.token_key for r in report.spilled] == [ks[0]]  # oldest last copy goes to disk
+    assert report.lost == ()
+    assert a.contains(NS, ks) == [Tier.DISK, Tier.MEMORY, None, None]
+    found = run(d.lookup(NS, ks))
+    assert [(r.pool, r.tier) for r in found[0].replicas] == [("a", Tier.DISK)]
+    assert {r.pool for r in found[2].replicas} == {"b"}
+    # A pin brings the disk copy back, byte-exact.
+    ticket = run(a.pin(NS, ks[:1]))
+    assert np.array_equal(a.read_pinned(ticket.id), data[:1])
+    assert a.status().restores == 1
+
+
+def test_without_disk_the_last_copy_is_counted_lost() -> None:
+    pool = make(num_blocks=2)
+    run(pool.store(NS, keys(2), payloads(2, 6, pool.block_bytes)))
+    report = run(pool.evict(1))
+    assert len(report.lost) == 1 and pool.status().lost_blocks == 1
+
+
+def test_restart_reopens_disk_and_reannounces(tmp_path: Path) -> None:
+    d = LocalDirectory(1)
+    first = make("a", num_blocks=2, directory=d, disk=tmp_path)
+    ks = keys(2)
+    data = payloads(2, 7, first.block_bytes)
+    run(first.store(NS, ks, data))
+    run(first.evict(2))
+    run(first.close())
+    d2 = LocalDirectory(1)
+    again = make("a", num_blocks=2, directory=d2, disk=tmp_path)
+    assert run(again.reopen_disk()) == 2
+    assert [r.replicas[0].tier for r in run(d2.lookup(NS, ks)) if r] == [Tier.DISK, Tier.DISK]
+    ticket = run(again.pin(NS, ks))
+    assert np.array_equal(again.read_pinned(ticket.id), data)
+    run(again.close())

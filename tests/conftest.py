@@ -1,0 +1,63 @@
+"""Session-wide fixtures. Ray tests share ONE local cluster per session: three simulated nodes
+on 127.0.0.1 (``ray.cluster_utils.Cluster``), sized for a 2-core, 24 GiB machine.
+
+``UCX_MODULES=^ib`` is set before anything imports NIXL: with system libibverbs present a
+process holding a UCX backend can crash at exit otherwise (REFERENCE.md). Ray workers get it,
+and the repository on ``PYTHONPATH``, through the job's runtime environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("UCX_MODULES", "^ib")
+# Keep every Ray address on loopback: without this Ray resolves 127.0.0.1 to the machine's
+# routable address when a driver connects to an existing cluster. Read when ray is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_NODES = 3
+
+
+@dataclass(frozen=True)
+class SimCluster:
+    address: str
+    node_ids: list[str]
+    """Node ids in start order: the head first."""
+
+
+@pytest.fixture(scope="session")
+def tessera_cluster() -> Iterator[SimCluster]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+            "object_store_memory": 256 << 20,
+        },
+    )
+    for _ in range(NUM_NODES - 1):
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=192 << 20)
+    ray.init(
+        address=cluster.address,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"UCX_MODULES": "^ib", "PYTHONPATH": str(ROOT)}},
+    )
+    cluster.wait_for_nodes()
+    head = ray.get_runtime_context().get_node_id()
+    others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+    try:
+        yield SimCluster(cluster.address, [head, *others])
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
