@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from tessera_ray._cli_tier import add_tier_commands
 from tessera_ray.errors import TesseraError
 from tessera_ray.layout import (
     ModelLayout,
@@ -140,10 +141,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     fsck.add_argument("--progress", action="store_true", help="show progress even off a TTY")
     fsck.set_defaults(handler=_cmd_fsck)
+    add_tier_commands(sub)
     return parser
 
 
-_VALUE_OPTIONS = ("--context", "--block-tokens")
+_VALUE_OPTIONS = ("--context", "--block-tokens", "--num-blocks", "--shards")
 
 
 def _glue_values(argv: Sequence[str]) -> list[str]:

@@ -38,6 +38,7 @@ from tessera_ray.actors.links import group_by_shard
 from tessera_ray.actors.messages import PoolStatus, StoredBlock
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.errors import PoolUnavailableError
 from tessera_ray.layout import ModelLayout, preset_layout
 
 __all__ = [
@@ -128,6 +129,7 @@ class PoolActor:
     ) -> None:
         node = ray.get_runtime_context().get_node_id()
         self.ray_namespace = ray_namespace
+        self.num_shards = num_shards
         self.svc = PoolService(
             name, layout, config, directory=_RayDirectory(ray_namespace, num_shards), node=node
         )
@@ -152,6 +154,10 @@ class PoolActor:
 
     async def health(self) -> bool:
         return True
+
+    async def describe(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
+        """The layout, settings and shard count this pool runs with (for clients that connect)."""
+        return self.svc.layout, self.svc.config, self.num_shards
 
     async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Any:
         await self._start()
@@ -417,19 +423,30 @@ class TesseraClient:
 
     @classmethod
     def connect(
-        cls, config: TierConfig, *, layout: ModelLayout | None = None, address: str | None = None
+        cls, ray_namespace: str = "tessera", *, address: str | None = None
     ) -> TesseraClient:
-        """Attach to a running tier (started by :meth:`start` or ``tessera-ray start``)."""
+        """Attach to a running tier (started by :meth:`start` or ``tessera-ray start``): the
+        pools and shards are found by name, the layout and settings are asked of a pool."""
         if not ray.is_initialized():
-            ray.init(
-                address=address or "auto", namespace=config.ray_namespace, logging_level="ERROR"
-            )
-        names = sorted(
+            ray.init(address=address or "auto", namespace=ray_namespace, logging_level="ERROR")
+        named = [
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == config.ray_namespace and a["name"].startswith(POOL_PREFIX)
+            if a["namespace"] == ray_namespace
+        ]
+        pools = sorted(n for n in named if n.startswith(POOL_PREFIX))
+        if not pools:
+            raise PoolUnavailableError(
+                f"no tessera-ray pools in Ray namespace {ray_namespace!r}; start the tier first "
+                f"(tessera-ray start)"
+            )
+        layout, pool_cfg, num_shards = ray.get(
+            ray.get_actor(pools[0], namespace=ray_namespace).describe.remote()
         )
-        return cls(config, layout or preset_layout(config.model, format=config.format), names)
+        config = TierConfig(
+            model=layout.model, pool=pool_cfg, num_shards=num_shards, ray_namespace=ray_namespace
+        )
+        return cls(config, layout, pools)
 
     def stop(self) -> None:
         """Kill the tier's actors (the disk tiers stay on disk)."""

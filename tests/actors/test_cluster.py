@@ -169,3 +169,24 @@ def test_dead_pool_is_purged_and_requests_fall_back(
     assert all(r is not None for r in tier.lookup("chaos-untouched", untouched))
     pools, _ = tier.status()
     assert any(isinstance(p, str) and victim in p and "down" in p for p in pools)
+
+
+def test_cli_start_and_stop_on_a_running_cluster(tessera_cluster: SimCluster) -> None:
+    from tessera_ray.cli import main
+
+    names = ["--ray-namespace", "tessera-cli-test"]
+    assert main(["start", "--model", "deepseek-v2-lite", "--num-blocks", "2", *names]) == 0
+    client = TesseraClient.connect("tessera-cli-test")
+    assert len(client.pools) == len(tessera_cluster.node_ids)
+    assert client.layout.model == "deepseek-v2-lite" and client.config.num_shards == 2
+    keys = [token_key("t", client.layout.fingerprint, None, [7] * 64)]
+    data = np.full((1, client.layout.block_bytes), 7, dtype=np.uint8)
+    client.store("t", keys, data, pool=client.pools[0])
+    assert client.lookup("t", keys)[0] is not None
+    assert main(["stop", *names]) == 0
+    alive = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "tessera-cli-test"
+    ]
+    assert alive == []
