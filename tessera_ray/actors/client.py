@@ -202,6 +202,20 @@ class PoolActor:
         finally:
             self.svc.unpin(ticket.id)
 
+    async def attend(
+        self,
+        namespace: str,
+        keys: list[TokenKey],
+        positions: list[int],
+        layer: int,
+        q: Any,
+        seqlen: int,
+        softmax_scale: float,
+        causal: bool = True,
+    ) -> Any:
+        await self._start()
+        return self.svc.attend(namespace, keys, positions, layer, q, seqlen, softmax_scale, causal)
+
     async def evict(self, num_blocks: int) -> Any:
         await self._start()
         return await self.svc.evict(num_blocks)
@@ -548,6 +562,50 @@ class TesseraClient:
                         failed[key] = reason
                         del pending[key]
         return FetchResult(into, tuple(local), tuple(fetched), tuple(missed), failed)
+
+    def attend(
+        self,
+        namespace: str,
+        token_keys: Sequence[TokenKey],
+        layer: int,
+        q: Any,
+        seqlen: int,
+        softmax_scale: float,
+        causal: bool = True,
+    ) -> tuple[Any, Any]:
+        """MLA attention of one sequence where its pages live: each block is assigned to one
+        pool holding it in memory, every pool computes its partial (out, lse) over its blocks,
+        and the partials are merged exactly (LSE merge). Raises ``LookupError`` naming blocks
+        no pool holds in memory (fetch them first, or recompute)."""
+        from tessera_ray.kernels import merge_attention_states
+
+        results = self.lookup(namespace, token_keys)
+        assigned: dict[str, list[int]] = {}
+        absent = []
+        for i, r in enumerate(results):
+            owners = [rep.pool for rep in r.replicas if rep.tier == Tier.MEMORY] if r else []
+            if not owners:
+                absent.append(i)
+                continue
+            # Spread blocks over their holders; any holder gives the same bytes.
+            assigned.setdefault(min(owners, key=lambda p: len(assigned.get(p, ()))), []).append(i)
+        if absent:
+            raise LookupError(f"blocks {absent} of the sequence are in no pool's memory")
+        keys = list(token_keys)
+        refs = {
+            p: self.pool(p).attend.remote(
+                namespace, keys, pos, layer, q, seqlen, softmax_scale, causal
+            )
+            for p, pos in assigned.items()
+        }
+        outs, lses = [], []
+        for p, ref in refs.items():
+            out, lse, missing = ray.get(ref)
+            if missing:
+                raise LookupError(f"pool {p} no longer holds blocks {missing}; retry")
+            outs.append(out)
+            lses.append(lse)
+        return merge_attention_states(outs, lses)
 
     def read(
         self, namespace: str, token_keys: Sequence[TokenKey], *, pool: str
