@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import PoolUnavailableError
 from tessera_ray.layout import ModelLayout, preset_layout
+from tessera_ray.transport import PeerInfo, make_transport
 
 __all__ = [
     "PoolActor",
@@ -98,6 +100,17 @@ class _RayDirectory:
             )
         )
 
+    async def publish_peer(self, info: PeerInfo) -> None:
+        """Every shard keeps every pool's transport data, so a reader finds it at any shard."""
+        await asyncio.gather(*(self._call(s, "publish_peer", info) for s in range(self.num_shards)))
+
+    async def peer(self, name: str) -> PeerInfo | None:
+        for s in range(self.num_shards):
+            found = await self._call(s, "peer", name)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
+        return None
+
     async def lookup(
         self, namespace: str, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
@@ -127,12 +140,23 @@ class PoolActor:
         ray_namespace: str,
         num_shards: int,
     ) -> None:
+        # UCX reads this when the NIXL agent starts: with system libibverbs present a process
+        # holding a UCX backend can crash at exit otherwise (REFERENCE.md).
+        os.environ.setdefault("UCX_MODULES", "^ib")
         node = ray.get_runtime_context().get_node_id()
         self.ray_namespace = ray_namespace
         self.num_shards = num_shards
-        self.svc = PoolService(
-            name, layout, config, directory=_RayDirectory(ray_namespace, num_shards), node=node
-        )
+        self.directory = _RayDirectory(ray_namespace, num_shards)
+        self.svc = PoolService(name, layout, config, directory=self.directory, node=node)
+        # One-sided reads need NIXL; without it (or with kind "ray") blocks move through the
+        # object store (read_pinned + install), verified the same way.
+        self.peer: PeerInfo | None = None
+        if config.transport.kind in ("auto", "nixl"):
+            transport = make_transport(config.transport, name=name)
+            if transport.kind == "nixl":
+                self.peer = self.svc.attach_transport(transport)
+            else:
+                transport.close()
         self._started = False
 
     async def _start(self) -> None:
@@ -140,6 +164,8 @@ class PoolActor:
         if self._started:
             return
         self._started = True
+        if self.peer is not None:
+            await self.directory.publish_peer(self.peer)
         await self.svc.reopen_disk()
         self._tasks = [asyncio.get_running_loop().create_task(self._reaper())]
 
@@ -154,6 +180,25 @@ class PoolActor:
 
     async def health(self) -> bool:
         return True
+
+    async def peer_info(self) -> PeerInfo | None:
+        """This pool's NIXL agent data (``None`` when it moves blocks through the object store)."""
+        return self.peer
+
+    async def _peer_of(self, owner_name: str, owner: Any) -> str | None:
+        """The owner's transport name, its agent added once (directory first, then the owner)."""
+        transport = self.svc.transport
+        if transport is None:
+            return None
+        if owner_name in transport.peers:
+            return owner_name
+        info = await self.directory.peer(owner_name)
+        if info is None:
+            info = await asyncio.wait_for(owner.peer_info.remote(), _CALL_TIMEOUT_S)
+        if info is None or info.kind != transport.kind:
+            return None
+        transport.add_peers([info])
+        return info.name
 
     async def describe(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
         """The layout, settings and shard count this pool runs with (for clients that connect)."""
@@ -244,6 +289,9 @@ class PoolActor:
         except (*_DEAD, ValueError, TimeoutError) as exc:
             return [f"owner {owner_name} unavailable: {type(exc).__name__}"] * len(keys)
         try:
+            peer = await self._peer_of(owner_name, owner)
+            if peer is not None:
+                return await self.svc.fetch_pinned(ticket, peer, timeout_s)
             held = [b for b in ticket.blocks if b is not None]
             reasons: list[str | None] = [
                 None if b is not None else f"not held by {owner_name}" for b in ticket.blocks
@@ -258,6 +306,8 @@ class PoolActor:
                 ]
             return reasons
         except (*_DEAD, TimeoutError) as exc:
+            if self.svc.transport is not None and owner_name in self.svc.transport.peers:
+                self.svc.transport.remove_peers([owner_name])
             return [f"transfer from {owner_name} failed: {type(exc).__name__}"] * len(keys)
         finally:
             owner.unpin.remote(ticket.id)  # fire and forget: the lease ends it anyway
@@ -274,6 +324,7 @@ class DirectoryActor:
         self.ray_namespace = ray_namespace
         self.health_interval_s = health_interval_s
         self._rebuilt = asyncio.Event()
+        self._peers: dict[str, PeerInfo] = {}
         self._started = False
 
     def _start(self) -> None:
@@ -297,6 +348,9 @@ class DirectoryActor:
                     pool = ray.get_actor(name, namespace=self.ray_namespace)
                     inventory = await asyncio.wait_for(pool.inventory.remote(), _CALL_TIMEOUT_S)
                     self.shard.rebuild_from(inventory)
+                    peer = await asyncio.wait_for(pool.peer_info.remote(), _CALL_TIMEOUT_S)
+                    if peer is not None:
+                        self._peers[name] = peer
                 except (*_DEAD, ValueError, TimeoutError) as exc:
                     log.warning("rebuild: pool %s unavailable: %s", name, exc)
         except Exception:
@@ -318,6 +372,8 @@ class DirectoryActor:
                         await asyncio.wait_for(pool.health.remote(), self.health_interval_s)
                     except (*_DEAD, ValueError, TimeoutError):
                         healthy = False
+                if not healthy:
+                    self._peers.pop(name, None)
                 if not healthy and self.shard.purge_pool(name):
                     log.warning("pool %s is dead: its replicas were purged", name)
 
@@ -337,7 +393,16 @@ class DirectoryActor:
 
     async def purge_pool(self, pool: str) -> int:
         self._start()
+        self._peers.pop(pool, None)
         return self.shard.purge_pool(pool)
+
+    async def publish_peer(self, info: PeerInfo) -> None:
+        self._start()
+        self._peers[info.name] = info
+
+    async def peer(self, name: str) -> PeerInfo | None:
+        self._start()
+        return self._peers.get(name)
 
     async def stats(self) -> DirectoryStats:
         self._start()

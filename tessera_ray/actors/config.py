@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessera_ray.errors import TierConfigError
+from tessera_ray.transport.config import TransportConfig
 
 __all__ = ["PoolServiceConfig", "TierConfig"]
 
@@ -34,6 +35,8 @@ class PoolServiceConfig:
     """Default lifetime of a reservation or a pin; expired ones are released."""
     max_lease_s: float = 600.0
     """Longest lease a caller may ask for."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """How this pool pulls pages from other pools (``auto``: NIXL, else the object store)."""
 
     def __post_init__(self) -> None:
         _positive("num_blocks", self.num_blocks)

@@ -135,4 +135,6 @@ class PoolStatus:
     lost_blocks: int
     transfers_in: int
     bytes_in: int
+    transport: str
+    """How this pool pulls blocks: ``nixl`` (one-sided reads) or ``object-store``."""
     tier_counts: dict[Tier, int]

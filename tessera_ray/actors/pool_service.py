@@ -49,6 +49,8 @@ from tessera_ray.core import BlockPool, PageHandle, PoolConfig, block_hash, cont
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LeaseError, PageShapeError, PoolExhaustedError
 from tessera_ray.layout import ModelLayout
+from tessera_ray.transport import PeerInfo, Transport
+from tessera_ray.transport.fetch import FetchResult, PageExport, fetch_verified_many
 
 __all__ = ["PoolService"]
 
@@ -111,6 +113,7 @@ class PoolService:
         self._ids = itertools.count(1)
         self._seeds: dict[str, int] = {}
         self.spills = self.restores = self.lost = self.transfers_in = self.bytes_in = 0
+        self.transport: Transport | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -416,6 +419,93 @@ class PoolService:
                     )
         return None
 
+    # ------------------------------------------------------------------ one-sided fetch
+
+    def attach_transport(self, transport: Transport) -> PeerInfo:
+        """Register this pool's memory with ``transport`` (once); returns what peers need."""
+        self.transport = transport
+        return transport.register(self.pools)
+
+    async def fetch_pinned(
+        self, ticket: PinTicket, owner_peer: str, timeout_s: float | None = None
+    ) -> list[str | None]:
+        """Read the blocks ``ticket`` pinned on another pool straight into reserved local slots
+        (one transport request per layer group), verify every page's content hash, and name
+        the blocks under their token keys. Per pinned block: ``None`` or why it failed. A
+        failed block's slots return to the free list or stay unnamed; nothing unverified is
+        ever sealed. The owner unpins afterwards, whatever the outcome."""
+        if self.transport is None:
+            raise PageShapeError("no transport attached; use install() with the bytes instead")
+        held = [b for b in ticket.blocks if b is not None]
+        if not held:
+            return [None if b is not None else "not held by the owner" for b in ticket.blocks]
+        res = await self.reserve(len(held))
+        lease = self._reservations.pop(res.id)  # the fetch owns these slots from here on
+        exports = [
+            PageExport(
+                peer=owner_peer,
+                namespace=ticket.namespace,
+                fingerprint=self.layout.fingerprint,
+                page_bytes=pool.page_bytes,
+                slots=tuple(s for b in held for s in b.slots[g]),
+                content_hashes=tuple(h for b in held for h in b.content_hashes[g]),
+                group=g,
+            )
+            for g, pool in enumerate(self.pools)
+        ]
+        local = [
+            [h for per_group in lease.handles for h in per_group[g]] for g in range(len(self.pools))
+        ]
+        results = fetch_verified_many(self.transport, exports, local=local, timeout_s=timeout_s)
+        outcome = self._name_fetched(ticket.namespace, held, results)
+        stored = [s for s in outcome if isinstance(s, StoredBlock)]
+        await self._announce(ticket.namespace, stored, Tier.MEMORY)
+        self.transfers_in += len(stored)
+        self.bytes_in += len(stored) * self.block_bytes
+        reasons = iter(None if isinstance(o, StoredBlock) else o for o in outcome)
+        return [next(reasons) if b is not None else "not held by the owner" for b in ticket.blocks]
+
+    def _name_fetched(
+        self, namespace: str, held: Sequence[PinnedBlock], results: Sequence[FetchResult]
+    ) -> list[StoredBlock | str]:
+        pages: list[dict[int, PageHandle]] = [
+            {f.position: f.handle for f in r.fetched} for r in results
+        ]
+        errors: list[dict[int, str]] = [
+            {f.position: f"{f.reason}: {f.detail}" for f in r.failed} for r in results
+        ]
+        out: list[StoredBlock | str] = []
+        for i, block in enumerate(held):
+            per_group: list[list[PageHandle]] = []
+            error: str | None = None
+            for g, pool in enumerate(self.pools):
+                span = range(i * pool.layers_per_block, (i + 1) * pool.layers_per_block)
+                per_group.append([pages[g][p] for p in span if p in pages[g]])
+                error = error or next((errors[g][p] for p in span if p in errors[g]), None)
+            if error is None:
+                registered = all(
+                    pool.register_block(handles, namespace, block.token_key)
+                    for pool, handles in zip(self.pools, per_group, strict=True)
+                )
+                first = per_group[0][0]
+                out.append(
+                    StoredBlock(
+                        block.token_key,
+                        block.block_hash,
+                        first.offset // first.length,
+                        first.generation,
+                        False,
+                        registered,
+                    )
+                )
+                if registered:
+                    self._resident[(namespace, block.token_key)] = block.block_hash
+            else:
+                out.append(f"block {block.token_key[:4].hex()}...: {error}")
+            for pool, handles in zip(self.pools, per_group, strict=True):
+                pool.release_many(handles)  # named blocks wait in the LRU; unnamed pages drain
+        return out
+
     # ------------------------------------------------------------------ attention
 
     def attend(
@@ -623,6 +713,7 @@ class PoolService:
             lost_blocks=self.lost,
             transfers_in=self.transfers_in,
             bytes_in=self.bytes_in,
+            transport=self.transport.kind if self.transport is not None else "object-store",
             tier_counts={Tier.MEMORY: len(self._resident), Tier.DISK: len(self._on_disk)},
         )
 
@@ -633,3 +724,5 @@ class PoolService:
             table.clear()
         if self.disk is not None:
             await self.disk.close()
+        if self.transport is not None:
+            self.transport.close()

@@ -422,7 +422,8 @@ class BlockPool:
         """Name already-sealed pages of ``namespace`` as one block under ``token_key``.
         False when the key already names a different live block (first registration wins)."""
         self._block_size(handles)
-        recs = self._distinct(handles)
+        # Not _distinct: two layers of a block may hold one deduplicated page, as in seal_block.
+        recs = [self._resolve(h) for h in handles]
         self._check_token_key(token_key)
         ns = self._dedup.known(namespace)
         for r in recs:

@@ -64,6 +64,9 @@ def test_store_on_node1_fetch_on_node3_byte_exact(
     assert all(r is not None and r.replicas[0].pool == n1 for r in found)
     result = tier.fetch("agents", keys, into=n3)
     assert set(result.fetched) == set(keys) and not result.failed
+    status = _status(tier, n3)
+    assert status.transport == "nixl" and status.transfers_in == 3  # one-sided reads over UCX
+    assert status.bytes_in == 3 * LAYOUT.block_bytes
     got = tier.read("agents", keys, pool=n3)
     assert all(g is not None for g in got)
     assert np.array_equal(np.stack(got), data)

@@ -1,0 +1,284 @@
+"""Moving pages between two Ray actors: the tier's verified fetch against raw NIXL, the Ray
+object store and memcpy, all measured in one run on the same pools and the same bytes.
+
+Two cases: 256 DeepSeek-V3 MLA pages of 73,728 B (FlashMLA's bf16 page), and 16 MiB batches
+of 1 MiB pages. Per case, in the reader actor, interleaved so noise hits all alike:
+
+- ``fetch_full_path``: ask the owner to look the pages up by token key and pin them (one actor
+  call returning the export), one NIXL READ into reserved slots, recompute every page's content
+  hash, seal; the unpin is sent without waiting, as the actor path will.
+- ``raw_nixl_read``: the same bytes and slots with NIXL alone (own agents, prepared lists, one
+  request, busy completion check): the ceiling. Target ratio >= 0.6.
+- ``ray_object_store``: the owner returns the pages through the object store and the reader
+  copies them into its slots (what the Ray fallback does, without verification). Target >= 2.
+- ``memcpy``: the same bytes copied within the reader's process. Reported.
+
+Two more rows split the full path: ``fetch_owner_call`` (the owner's lookup + pin + export, one
+actor round trip, ms) and ``fetch_read_verify_seal`` (the reader's part, GB/s).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("UCX_MODULES", "^ib")  # before anything loads UCX (REFERENCE.md)
+
+from common import Row, parse_args, write_result  # noqa: E402
+
+GB = 1e9
+MIB = 1 << 20
+
+
+class BenchNode:
+    """One pool with its tier transport, plus a separate raw NIXL agent on the same memory."""
+
+    def __init__(self, name: str, case: str, num_pages: int) -> None:
+        import torch
+
+        from tessera_ray.core import BlockPool, PoolConfig, token_key
+        from tessera_ray.transport import TransportConfig, make_transport
+
+        page, fingerprint = _page_spec(case)
+        self.pool = BlockPool(page, PoolConfig(num_pages=num_pages), fingerprint=fingerprint)
+        self.namespace = "bench"
+        self.transport = make_transport(TransportConfig(kind="nixl", timeout_s=30), name=name)
+        self.info = self.transport.register(self.pool)
+        # The raw baseline drives the transport's own agent and prepared lists with bare NIXL
+        # calls: same memory, same descriptors, same progress thread. A second agent would add
+        # a second busy progress thread, which on a 2-core machine slows both paths.
+        self.raw = self.transport._agent  # type: ignore[attr-defined]
+        self.raw_local = self.transport._local  # type: ignore[attr-defined]
+        self.raw_remote: Any = None
+        self.leases: dict[int, list[Any]] = {}
+        self.keys: list[Any] = []
+        self._token_key = token_key
+        self._torch = torch
+
+    def peer(self) -> Any:
+        return self.info
+
+    def connect(self, info: Any) -> None:
+        self.transport.add_peers([info])
+        self.raw_remote = self.transport._remote[info.name]  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- owner side
+    def fill(self, n: int) -> list[Any]:
+        """``n`` random sealed single-page blocks, registered under token keys."""
+        gen = self._torch.Generator().manual_seed(7)
+        handles = self.pool.allocate_many(n)
+        data = self._torch.randint(
+            0, 256, (n, self.pool.page_bytes), dtype=self._torch.uint8, generator=gen
+        )
+        handles = self.pool.write_many(handles, data)
+        for i, h in enumerate(handles):
+            key = self._token_key(self.namespace, self.pool.fingerprint, None, [i])
+            res = self.pool.seal_block([h], self.namespace, key)
+            self.pool.release(res.handles[0])
+            self.keys.append(key)
+        return self.keys
+
+    def slots(self) -> list[int]:
+        handles = [self.pool.lookup(self.namespace, k) for k in self.keys]
+        out = [int(self.pool.slot(h[0])) for h in handles if h is not None]
+        self.pool.release_many([h[0] for h in handles if h is not None])
+        return out
+
+    def pin_export(self, keys: list[Any]) -> Any:
+        """Lookup (takes the pins) and export, as the owner's actor does for a fetch."""
+        from tessera_ray.transport import export_pages
+
+        found = self.pool.lookup_many(self.namespace, keys)
+        handles = [h[0] for h in found if h is not None]
+        export = export_pages(
+            self.pool, handles, namespace=self.namespace, peer=self.transport.name
+        )
+        self.leases[id(export)] = handles
+        return id(export), export
+
+    def unpin(self, lease: int) -> None:
+        self.pool.release_many(self.leases.pop(lease))
+
+    def serve(self, slots: list[int]) -> Any:
+        index = self._torch.tensor(slots, dtype=self._torch.long)
+        return self.pool.data.index_select(0, index).numpy()
+
+    # ---------------------------------------------------------------- reader side
+    def measure(self, owner: Any, keys: list[Any], remote_slots: list[int], reps: int) -> Any:
+        import ray
+
+        from tessera_ray.transport import fetch_verified
+        from tessera_ray.transport._rows import scatter_rows
+
+        torch, pool, n = self._torch, self.pool, len(keys)
+        src = torch.randint(0, 256, (n, pool.page_bytes), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        times: dict[str, list[float]] = {"full": [], "raw": [], "ray": [], "memcpy": []}
+        parts: dict[str, list[float]] = {"owner_call": [], "read_verify_seal": []}
+        for rep in range(reps + 1):  # the first round warms every path up, untimed
+            t_full = t = time.perf_counter()
+            lease, export = ray.get(owner.pin_export.remote(keys))
+            t_call = time.perf_counter()
+            res = fetch_verified(self.transport, export, timeout_s=30)
+            t_fetch = time.perf_counter()
+            owner.unpin.remote(lease)
+            full = time.perf_counter() - t
+            assert res.ok and len(res.fetched) == n and not any(f.deduplicated for f in res.fetched)
+            local = [int(pool.slot(f.handle)) for f in res.fetched]
+            pool.release_many([f.handle for f in res.fetched])
+            pool.evict(n, copy_data=False)
+
+            t = time.perf_counter()
+            h = self.raw.make_prepped_xfer(
+                "READ", self.raw_local, local, self.raw_remote, remote_slots
+            )
+            state = self.raw.transfer(h)
+            while state == "PROC":
+                state = self.raw.check_xfer_state(h)
+            raw = time.perf_counter() - t
+            assert state == "DONE"
+            self.raw.release_xfer_handle(h)
+
+            t = time.perf_counter()
+            rows = ray.get(owner.serve.remote(remote_slots))
+            scatter_rows(pool.data, local, rows)
+            via_ray = time.perf_counter() - t
+            del rows
+
+            t = time.perf_counter()
+            dst.copy_(src)
+            copy = time.perf_counter() - t
+            if rep:
+                for k, v in zip(times, (full, raw, via_ray, copy), strict=True):
+                    times[k].append(v)
+                parts["owner_call"].append(t_call - t_full)
+                parts["read_verify_seal"].append(t_fetch - t_call)
+        nbytes = n * pool.page_bytes
+        out = {k: nbytes / statistics.median(v) / GB for k, v in times.items()}
+        out.update({f"{k}_ms": statistics.median(v) * 1e3 for k, v in parts.items()})
+        return out
+
+
+def _page_spec(case: str) -> tuple[Any, str]:
+    from tessera_ray.layout import (
+        CacheSpec,
+        DType,
+        EntryFormat,
+        PageSpec,
+        Region,
+        Scheme,
+        preset_layout,
+    )
+
+    if case == "mla":
+        layout = preset_layout("deepseek-v3")
+        return layout.groups[0].page, layout.fingerprint
+    # 1 MiB pages: 64 tokens of 16 KiB (bf16 latent + rope), only the size matters here.
+    entry = EntryFormat(
+        name="bench-1mib",
+        regions=(
+            Region(name="c_kv", num_values=8128, dtype=DType.BF16),
+            Region(name="k_rope", num_values=64, dtype=DType.BF16),
+        ),
+    )
+    page = PageSpec(cache=CacheSpec(scheme=Scheme.MLA, entry=entry), block_tokens=64)
+    assert page.page_bytes == MIB
+    return page, "bench-1mib-layout"
+
+
+def run_case(case: str, n: int, reps: int) -> dict[str, float]:
+    import ray
+
+    node: Any = ray.remote(BenchNode).options(num_cpus=0)
+    owner = node.remote(f"bench-owner-{case}", case, n)
+    reader = node.remote(f"bench-reader-{case}", case, n)
+    ray.get(reader.connect.remote(ray.get(owner.peer.remote())))
+    keys = ray.get(owner.fill.remote(n))
+    slots = ray.get(owner.slots.remote())
+    out: dict[str, float] = ray.get(reader.measure.remote(owner, keys, slots, reps))
+    for actor in (owner, reader):
+        ray.kill(actor)
+    return out
+
+
+def main() -> None:
+    args = parse_args("transport")
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"UCX_MODULES": "^ib", "PYTHONPATH": str(ROOT)}},
+    )
+    reps = 7 if args.quick else 25
+    cases = [
+        ("mla256", "mla", 256, "256 MLA pages x 73,728 B"),
+        ("16mib", "1mib", 16, "16 x 1 MiB"),
+    ]
+    rows: list[Row] = []
+    try:
+        for label, case, n, note in cases:
+            r = run_case(case, n, reps)
+            nbytes = n * (MIB if case == "1mib" else 73_728)
+            full = f"fetch_full_path_{label}"
+            rows += [
+                Row(name=f"raw_nixl_read_{label}", value=r["raw"], unit="GB/s", note=note),
+                Row(name=f"ray_object_store_{label}", value=r["ray"], unit="GB/s", note=note),
+                Row(name=f"memcpy_{label}", value=r["memcpy"], unit="GB/s", note=note),
+                Row(
+                    name=full,
+                    value=r["full"],
+                    unit="GB/s",
+                    baseline=f"raw_nixl_read_{label}",
+                    baseline_value=r["raw"],
+                    target_ratio=0.6,
+                    note=f"{note}; lookup+pin+READ+verify+seal",
+                ),
+                Row(
+                    name=f"{full}_vs_ray",
+                    value=r["full"],
+                    unit="GB/s",
+                    baseline=f"ray_object_store_{label}",
+                    baseline_value=r["ray"],
+                    target_ratio=2.0,
+                    note=note,
+                ),
+                Row(
+                    name=f"fetch_read_verify_seal_{label}",
+                    value=nbytes / r["read_verify_seal_ms"] / 1e6,
+                    unit="GB/s",
+                    baseline=f"raw_nixl_read_{label}",
+                    baseline_value=r["raw"],
+                    note=f"{note}; the reader's part of the full path (no owner round trip)",
+                ),
+                Row(
+                    name=f"fetch_owner_call_{label}",
+                    value=r["owner_call_ms"],
+                    unit="ms",
+                    note=f"{note}; lookup + pin + export, one actor round trip",
+                ),
+                Row(
+                    name=f"{full}_vs_memcpy",
+                    value=r["full"],
+                    unit="GB/s",
+                    baseline=f"memcpy_{label}",
+                    baseline_value=r["memcpy"],
+                    note=note,
+                ),
+            ]
+    finally:
+        ray.shutdown()
+    write_result("transport", args, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""The transport ABC: register a pool once, read remote slots into local slots, wait or abort.
+
+Every transport reads *into slots the caller reserved*: it never allocates, seals or frees
+pages. Verification and installing belong to :func:`tessera_ray.transport.fetch_verified`, so
+all transports share one path that decides what is trusted.
+
+A pool actor holds one :class:`BlockPool` per layer group; one transport (one NIXL agent)
+serves them all: :meth:`Transport.register` takes every group's pool at once, and a read names
+its ``group``.
+
+A read returns a :class:`TransferTicket`. Every ticket ends in exactly one :meth:`wait` (which
+returns, or raises after releasing the backend's resources) or :meth:`abort`; :meth:`poll` only
+reports. Tickets are small frozen values, the live backend handles stay inside the transport.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from tessera_ray.core import BlockPool
+from tessera_ray.errors import TransportConfigError, TransportError
+from tessera_ray.transport.config import TransportConfig
+
+__all__ = [
+    "Transport",
+    "PoolRegion",
+    "TransportCapabilities",
+    "PeerInfo",
+    "TransferTicket",
+    "TransferState",
+]
+
+
+class TransferState(StrEnum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class TransportCapabilities:
+    """What a transport can do, for the chooser and for callers deciding how to fetch."""
+
+    one_sided: bool
+    """Reads need no code to run on the owner (NIXL): the owner only pins and exports."""
+    cross_process: bool
+    """Peers may live in other processes (False for the in-process copy)."""
+    device_memory: bool
+    """Pool memory on a GPU is moved without staging through the host."""
+    overlaps_caller: bool = False
+    """A read proceeds while the caller works (NIXL's I/O thread), so a fetch split into
+    several reads verifies one while the next lands."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRegion:
+    """One registered pool (layer group) as a peer sees it."""
+
+    num_pages: int
+    page_bytes: int
+    base_addr: int
+    """Address of page 0 in the owner's process (what NIXL descriptors name)."""
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerInfo:
+    """What a reader needs to read a pool actor's slots; published through the directory once
+    per pool actor at start-up (cheap to pickle)."""
+
+    kind: str
+    """The transport kind that produced it; a peer of another kind is refused."""
+    name: str
+    """The transport's unique name (NIXL agent name); :class:`PageExport` names it as ``peer``."""
+    fingerprint: str
+    """Layout fingerprint of the registered pools: pages of different layouts never mix."""
+    regions: tuple[PoolRegion, ...]
+    """One per registered pool, in layer-group order (a read's ``group`` indexes it)."""
+    metadata: bytes = b""
+    """Backend connection data (NIXL agent metadata, with the registered memory)."""
+    endpoint: Any = field(default=None, compare=False)
+    """Where to ask for bytes when reads are not one-sided (the Ray fallback: the owner's actor
+    handle); ``None`` otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTicket:
+    """One read in flight; hand it to :meth:`Transport.wait`, :meth:`poll` or :meth:`abort`."""
+
+    id: int
+    peer: str
+    group: int
+    num_pages: int
+    nbytes: int
+
+
+_TICKET_IDS = itertools.count(1)
+
+
+class Transport(ABC):
+    """Moves whole pages from a peer's pool into this transport's pool (see module docstring)."""
+
+    kind: str = ""
+    capabilities: TransportCapabilities
+
+    def __init__(self, config: TransportConfig, *, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise TransportConfigError(f"a transport needs a non-empty unique name, got {name!r}")
+        self.config = config
+        self.name = name
+        self._pools: tuple[BlockPool, ...] = ()
+        self._peers: dict[str, PeerInfo] = {}
+        self._closed = False
+
+    # ----------------------------------------------------------------- set-up
+
+    def register(self, pools: BlockPool | Sequence[BlockPool]) -> PeerInfo:
+        """Register the memory of ``pools`` (one per layer group, in group order; a single pool
+        is group 0) with the backend, once for the transport's life; returns what peers need
+        (publish it). Transfers never register memory."""
+        if self._closed:
+            raise TransportError(f"transport {self.name!r} is closed")
+        if self._pools:
+            raise TransportError(
+                f"transport {self.name!r} already registered its pools; register all layer "
+                "groups in one call"
+            )
+        group = (pools,) if isinstance(pools, BlockPool) else tuple(pools)
+        if not group:
+            raise TransportConfigError("register() needs at least one pool")
+        if len({p.fingerprint for p in group}) != 1:
+            raise TransportConfigError("all registered pools must share one layout fingerprint")
+        if len({p.data.device for p in group}) != 1:
+            raise TransportConfigError("all registered pools must live on one device")
+        if not all(p.data.is_contiguous() for p in group):
+            raise TransportConfigError("a pool tensor must be contiguous to be registered")
+        self._register(group)
+        self._pools = group
+        return self.peer_info()
+
+    @property
+    def pools(self) -> tuple[BlockPool, ...]:
+        if not self._pools:
+            raise TransportError(f"transport {self.name!r} has no registered pool; register() it")
+        return self._pools
+
+    @property
+    def pool(self) -> BlockPool:
+        """The group-0 pool (the only one for single-group layouts such as MLA)."""
+        return self.pools[0]
+
+    def pool_of(self, group: int) -> BlockPool:
+        pools = self.pools
+        if isinstance(group, bool) or not 0 <= group < len(pools):
+            raise TransportConfigError(f"group {group!r} is not one of {len(pools)} registered")
+        return pools[group]
+
+    def peer_info(self) -> PeerInfo:
+        pools = self.pools
+        return PeerInfo(
+            kind=self.kind,
+            name=self.name,
+            fingerprint=pools[0].fingerprint,
+            regions=tuple(
+                PoolRegion(p.data.shape[0], p.page_bytes, p.data.data_ptr(), str(p.data.device))
+                for p in pools
+            ),
+            metadata=self._metadata(),
+            endpoint=self._endpoint(),
+        )
+
+    def add_peers(self, peers: Sequence[PeerInfo]) -> None:
+        """Make each peer readable (idempotent for a peer already known with equal info)."""
+        for info in peers:
+            if info.kind != self.kind:
+                raise TransportConfigError(
+                    f"peer {info.name!r} uses the {info.kind!r} transport, this one is "
+                    f"{self.kind!r}; every pool of a cluster must use the same kind"
+                )
+            if info.name == self.name:
+                raise TransportConfigError(f"peer {info.name!r} is this transport itself")
+        for info in peers:
+            known = self._peers.get(info.name)
+            if known == info:
+                continue
+            if known is not None:
+                self.remove_peers([info.name])
+            self._add_peer(info)
+            self._peers[info.name] = info
+
+    def remove_peers(self, names: Sequence[str]) -> None:
+        """Forget peers (a dead or restarted pool); unknown names are ignored."""
+        for name in names:
+            if self._peers.pop(name, None) is not None:
+                self._remove_peer(name)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    # ----------------------------------------------------------------- transfers
+
+    def read(
+        self,
+        peer: str,
+        remote_slots: Sequence[int],
+        local_slots: Sequence[int],
+        *,
+        group: int = 0,
+    ) -> TransferTicket:
+        """Start copying the peer's pages ``remote_slots[i]`` of layer group ``group`` into
+        local ``local_slots[i]`` of the same group, all in one backend request. The local slots
+        must be reserved by the caller."""
+        if self._closed:
+            raise TransportError(f"transport {self.name!r} is closed")
+        info = self._peers.get(peer)
+        if info is None:
+            raise TransportError(
+                f"unknown peer {peer!r}; add_peers() its PeerInfo first (known: "
+                f"{', '.join(self._peers) or 'none'})"
+            )
+        pool = self.pool_of(group)
+        if group >= len(info.regions):
+            raise TransportConfigError(f"peer {peer!r} registered {len(info.regions)} groups")
+        region = info.regions[group]
+        if len(remote_slots) != len(local_slots):
+            raise TransportConfigError(
+                f"{len(remote_slots)} remote slots but {len(local_slots)} local slots"
+            )
+        if region.page_bytes != pool.page_bytes:
+            raise TransportConfigError(
+                f"peer {peer!r} has {region.page_bytes} B pages in group {group}, this pool "
+                f"{pool.page_bytes} B"
+            )
+        _check_slots("remote", remote_slots, region.num_pages)
+        _check_slots("local", local_slots, pool.data.shape[0])
+        if len(set(local_slots)) != len(local_slots):
+            raise TransportConfigError("a local slot is named twice in one read")
+        ticket = TransferTicket(
+            next(_TICKET_IDS), peer, group, len(local_slots), len(local_slots) * pool.page_bytes
+        )
+        self._start(ticket, info, [int(s) for s in remote_slots], [int(s) for s in local_slots])
+        return ticket
+
+    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> None:
+        """Block until the read completes. On timeout or failure the backend request is
+        released (aborted) and :class:`TransferTimeoutError` / :class:`TransferFailedError`
+        raised; either way the ticket is settled."""
+        self._wait(ticket, self.config.timeout_s if timeout_s is None else timeout_s)
+
+    @abstractmethod
+    def poll(self, ticket: TransferTicket) -> TransferState:
+        """The read's state now, without blocking (settle it with :meth:`wait`)."""
+
+    @abstractmethod
+    def abort(self, ticket: TransferTicket) -> bool:
+        """Cancel and settle the read. True when no byte can land in the local slots after
+        this returns; False when the backend could not cancel (keep those slots out of use)."""
+
+    def close(self) -> None:
+        """Release backend resources (peers, registration). Idempotent."""
+        if self._closed:
+            return
+        self.remove_peers(list(self._peers))
+        self._close()
+        self._closed = True
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- backend hooks
+
+    @abstractmethod
+    def _register(self, pools: tuple[BlockPool, ...]) -> None: ...
+
+    def _metadata(self) -> bytes:
+        return b""
+
+    def _endpoint(self) -> Any:
+        return None
+
+    @abstractmethod
+    def _add_peer(self, info: PeerInfo) -> None: ...
+
+    def _remove_peer(self, name: str) -> None:
+        return None
+
+    @abstractmethod
+    def _start(
+        self, ticket: TransferTicket, info: PeerInfo, remote: list[int], local: list[int]
+    ) -> None: ...
+
+    @abstractmethod
+    def _wait(self, ticket: TransferTicket, timeout_s: float) -> None: ...
+
+    def _close(self) -> None:
+        return None
+
+
+def _check_slots(side: str, slots: Sequence[int], num_pages: int) -> None:
+    for s in slots:
+        if isinstance(s, bool) or not 0 <= s < num_pages:
+            raise TransportConfigError(
+                f"{side} slot {s!r} is not a page of a {num_pages}-page pool"
+            )

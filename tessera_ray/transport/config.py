@@ -1,0 +1,73 @@
+"""The transport's one validated configuration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from tessera_ray.errors import TransportConfigError
+
+__all__ = ["TransportConfig", "TransportKind", "TRANSPORT_KINDS"]
+
+TransportKind = Literal["auto", "nixl", "ray", "local"]
+TRANSPORT_KINDS: tuple[str, ...] = ("auto", "nixl", "ray", "local")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    """Which transport moves pages between pools, and how long a transfer may take."""
+
+    kind: TransportKind = "auto"
+    """``"nixl"`` (one-sided reads over UCX), ``"ray"`` (the Ray object store), ``"local"``
+    (same process, a copy), or ``"auto"``: NIXL when it starts, else Ray, with the reason logged
+    and counted (:func:`tessera_ray.transport.fallback_counts`)."""
+    timeout_s: float = 10.0
+    """Default time a :meth:`Transport.wait` or a verified fetch may take before it is aborted
+    and its slots returned."""
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    """NIXL backend plugins the agent creates (UCX moves host and device memory)."""
+    nixl_num_threads: int = 0
+    """Worker threads of the NIXL backend; 0 keeps the backend's default."""
+    fetch_chunk_bytes: int = 4 << 20
+    """A verified fetch over a transport whose reads overlap the caller (NIXL) is split into
+    reads of about this many bytes, so verifying and sealing one overlaps reading the next
+    (each is still one request over many slots). 0 reads everything in one request."""
+    poll_max_sleep_s: float = 0.0005
+    """Longest pause between two completion checks of a NIXL transfer. NIXL's Python API has no
+    blocking wait, so :meth:`Transport.wait` spins briefly and then backs off up to this."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in TRANSPORT_KINDS:
+            raise TransportConfigError(
+                f"kind must be one of {', '.join(TRANSPORT_KINDS)}, got {self.kind!r}"
+            )
+        _positive("timeout_s", self.timeout_s)
+        _positive("poll_max_sleep_s", self.poll_max_sleep_s)
+        if not self.nixl_backends or not all(isinstance(b, str) and b for b in self.nixl_backends):
+            raise TransportConfigError(
+                f"nixl_backends must be non-empty backend names, got {self.nixl_backends!r}"
+            )
+        if isinstance(self.nixl_num_threads, bool) or not isinstance(self.nixl_num_threads, int):
+            raise TransportConfigError(
+                f"nixl_num_threads must be an int, got {self.nixl_num_threads!r}"
+            )
+        if isinstance(self.fetch_chunk_bytes, bool) or not isinstance(self.fetch_chunk_bytes, int):
+            raise TransportConfigError(
+                f"fetch_chunk_bytes must be an int, got {self.fetch_chunk_bytes!r}"
+            )
+        if self.fetch_chunk_bytes < 0:
+            raise TransportConfigError(
+                f"fetch_chunk_bytes must be >= 0, got {self.fetch_chunk_bytes}"
+            )
+        if self.nixl_num_threads < 0:
+            raise TransportConfigError(
+                f"nixl_num_threads must be >= 0, got {self.nixl_num_threads}"
+            )
+
+
+def _positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TransportConfigError(f"{name} must be a finite number of seconds, got {value!r}")
+    if value <= 0:
+        raise TransportConfigError(f"{name} must be positive, got {value}")

@@ -1,0 +1,66 @@
+"""Choosing the transport from config; ``auto`` falls back to Ray with a logged, counted reason."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import Any
+
+from tessera_ray.errors import TransportUnavailableError
+from tessera_ray.transport.base import Transport
+from tessera_ray.transport.config import TransportConfig
+from tessera_ray.transport.local import LocalTransport
+from tessera_ray.transport.nixl import NixlTransport
+from tessera_ray.transport.ray_object import RayObjectTransport
+
+__all__ = ["make_transport", "fallback_counts", "TRANSPORTS"]
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS: dict[str, type[Transport]] = {
+    "nixl": NixlTransport,
+    "ray": RayObjectTransport,
+    "local": LocalTransport,
+}
+"""Transport class per config kind (``auto`` tries ``nixl``, then ``ray``)."""
+
+_lock = threading.Lock()
+_fallbacks: dict[tuple[str, str, str], int] = {}
+
+
+def fallback_counts() -> dict[tuple[str, str, str], int]:
+    """``{(from kind, to kind, reason class): count}`` since the process started: what the
+    metrics module exports as ``tessera_transport_fallbacks_total``."""
+    with _lock:
+        return dict(_fallbacks)
+
+
+def _count_fallback(src: str, dst: str, reason: str) -> None:
+    with _lock:
+        key = (src, dst, reason)
+        _fallbacks[key] = _fallbacks.get(key, 0) + 1
+
+
+def make_transport(
+    config: TransportConfig, *, name: str | None = None, endpoint: Any = None
+) -> Transport:
+    """The transport ``config.kind`` names, not yet registered (call ``register(pool)``).
+
+    ``name`` must be unique in the cluster (it becomes the NIXL agent name); a random one is
+    made when omitted. ``endpoint`` is this pool's actor handle, used by the Ray fallback.
+    """
+    name = name or f"tessera-{uuid.uuid4().hex[:16]}"
+    if config.kind == "auto":
+        try:
+            return NixlTransport(config, name=name)
+        except TransportUnavailableError as e:
+            reason = type(e.__cause__ or e).__name__
+            log.warning(
+                "transport 'auto': NIXL unavailable (%s), falling back to Ray: %s", reason, e
+            )
+            _count_fallback("nixl", "ray", reason)
+            return RayObjectTransport(config, name=name, endpoint=endpoint)
+    if config.kind == "ray":
+        return RayObjectTransport(config, name=name, endpoint=endpoint)
+    return TRANSPORTS[config.kind](config, name=name)

@@ -1,0 +1,403 @@
+"""The verified fetch: what the owner exports, and the reader's read-verify-seal step.
+
+Owner: pin the pages (take references under a lease), then :func:`export_pages` names their
+slots and content hashes. Reader: :func:`fetch_verified` reads them into reserved slots with one
+transport request, recomputes every page's keyed content hash over the bytes that landed,
+seals the pages that match and releases the rest. Nothing is sealed before its bytes verified,
+and every reserved slot ends sealed (returned in ``fetched``) or back on the free list (named in
+``failed``). The owner unpins when the reader answers, whatever the outcome.
+
+Over a transport whose reads overlap the caller (NIXL), a fetch is split into reads of about
+``TransportConfig.fetch_chunk_bytes``, all queued at once; each chunk is verified and sealed as
+soon as it lands, while the next one is read. A failure part-way keeps the chunks already
+verified and sealed (``fetched``) and returns every later slot (``failed``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+import xxhash
+
+from tessera_ray.core import (
+    BlockPool,
+    ContentHash,
+    ContentHashFn,
+    PageHandle,
+    content_seed,
+    xxh3_128,
+)
+from tessera_ray.errors import (
+    TransferTimeoutError,
+    TransportConfigError,
+    TransportError,
+    VerificationError,
+)
+from tessera_ray.transport.base import TransferTicket, Transport
+
+__all__ = [
+    "PageExport",
+    "export_pages",
+    "FailureReason",
+    "FetchedPage",
+    "FailedPage",
+    "FetchResult",
+    "fetch_verified",
+    "fetch_verified_many",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PageExport:
+    """The owner's answer to a fetch: which of its slots hold the pinned pages, and what they
+    must hash to. Cheap to pickle; valid while the owner's lease on the pages lasts."""
+
+    peer: str
+    """Name of the owner's transport (``PeerInfo.name``)."""
+    namespace: str
+    """Tenant namespace the pages are sealed under (keys the content hash)."""
+    fingerprint: str
+    """Layout fingerprint of the owner's pool (keys the content hash, too)."""
+    page_bytes: int
+    slots: tuple[int, ...]
+    content_hashes: tuple[int, ...]
+    group: int = 0
+    """Layer group (index of the pool in the owner's ``register`` call) the slots belong to."""
+
+    def __post_init__(self) -> None:
+        if len(self.slots) != len(self.content_hashes):
+            raise TransportConfigError(
+                f"{len(self.slots)} slots but {len(self.content_hashes)} content hashes"
+            )
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def export_pages(
+    pool: BlockPool,
+    handles: Sequence[PageHandle],
+    *,
+    namespace: str,
+    peer: str,
+    group: int = 0,
+) -> PageExport:
+    """Owner side: the export of sealed, pinned pages ``handles`` of ``pool`` (layer group
+    ``group`` of the owner's transport), with the hashes they were sealed with."""
+    return PageExport(
+        peer=peer,
+        namespace=namespace,
+        fingerprint=pool.fingerprint,
+        page_bytes=pool.page_bytes,
+        slots=tuple(int(pool.slot(h)) for h in handles),
+        content_hashes=tuple(int(pool.content_hash_of(h)) for h in handles),
+        group=group,
+    )
+
+
+class FailureReason(StrEnum):
+    TRANSFER_FAILED = "transfer_failed"
+    """The backend reported an error (owner dead, connection lost, unknown peer)."""
+    TIMEOUT = "timeout"
+    HASH_MISMATCH = "hash_mismatch"
+    """The bytes that landed do not hash to the exported content hash."""
+    LAYOUT_MISMATCH = "layout_mismatch"
+    """Owner and reader pools differ in layout fingerprint or page size."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedPage:
+    position: int
+    """Index of the page in the export."""
+    content_hash: ContentHash
+    handle: PageHandle
+    """The sealed local page; the caller holds one reference."""
+    deduplicated: bool
+    """An equal page was already local: ``handle`` is that page, the fetched copy was freed."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailedPage:
+    position: int
+    content_hash: ContentHash
+    reason: FailureReason
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """Outcome of one verified fetch; every exported page is in exactly one of the two lists."""
+
+    fetched: tuple[FetchedPage, ...]
+    failed: tuple[FailedPage, ...]
+    bytes_moved: int
+    """Bytes of the reads that completed (verified or not)."""
+    withheld_slots: int = 0
+    """Reserved slots kept out of use because the backend could not cancel the read (0 almost
+    always); they are neither free nor sealed until the process ends."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def raise_for_failures(self) -> None:
+        """Raise the error matching the first failure (for callers that want all or nothing)."""
+        if not self.failed:
+            return
+        first = self.failed[0]
+        msg = f"{len(self.failed)} of {len(self.fetched) + len(self.failed)} pages not fetched: "
+        msg += first.detail
+        if first.reason is FailureReason.HASH_MISMATCH:
+            raise VerificationError(msg)
+        if first.reason is FailureReason.TIMEOUT:
+            raise TransferTimeoutError(msg)
+        raise TransportError(msg)
+
+
+def _page_views(pool: BlockPool, slots: list[int]) -> list[memoryview]:
+    """Host byte views of pages ``slots`` (in place for a host pool, a staged copy on a GPU)."""
+    pb = pool.page_bytes
+    if pool.data.device.type == "cpu":
+        flat = pool.data.numpy().reshape(-1).data
+        return [flat[s * pb : (s + 1) * pb] for s in slots]
+    index = torch.tensor(slots, dtype=torch.long, device=pool.data.device)
+    host = pool.data.index_select(0, index).cpu().numpy().reshape(-1).data
+    return [host[i * pb : (i + 1) * pb] for i in range(len(slots))]
+
+
+def _all_failed(
+    export: PageExport, reason: FailureReason, detail: str, withheld: int = 0
+) -> FetchResult:
+    failed = tuple(
+        FailedPage(i, ContentHash(c), reason, detail) for i, c in enumerate(export.content_hashes)
+    )
+    return FetchResult((), failed, 0, withheld)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One export in flight: its reserved pages, and the reads (chunks) it was split into."""
+
+    export: PageExport
+    pool: BlockPool
+    handles: list[PageHandle]
+    slots: list[int]
+    chunks: list[tuple[int, int, TransferTicket | None]] = field(default_factory=list)
+    """``(first position, end position, ticket)`` per read, in order."""
+    next_chunk: int = 0
+    """Chunks before it are settled (their pages sealed or released)."""
+    done: FetchResult | None = None
+
+
+def fetch_verified(
+    transport: Transport,
+    export: PageExport,
+    *,
+    local: Sequence[PageHandle] | None = None,
+    timeout_s: float | None = None,
+    content_hash: ContentHashFn = xxh3_128,
+) -> FetchResult:
+    """Read ``export``'s pages into the transport's pool of ``export.group``, verify, seal.
+
+    ``local`` are reserved writable pages of that pool, one per exported page; ``None``
+    reserves them here (raising ``PoolExhaustedError`` before anything moves). The function
+    owns them from the call on: each ends sealed (``fetched``) or released (``failed``).
+    ``content_hash`` must be the hash the owner's pool seals with (the default everywhere).
+    """
+    return fetch_verified_many(
+        transport,
+        [export],
+        local=None if local is None else [local],
+        timeout_s=timeout_s,
+        content_hash=content_hash,
+    )[0]
+
+
+def fetch_verified_many(
+    transport: Transport,
+    exports: Sequence[PageExport],
+    *,
+    local: Sequence[Sequence[PageHandle]] | None = None,
+    timeout_s: float | None = None,
+    content_hash: ContentHashFn = xxh3_128,
+) -> list[FetchResult]:
+    """:func:`fetch_verified` of several exports (one per layer group, or per owner): every
+    read is posted before the first is waited for, so they overlap where the backend allows.
+    ``timeout_s`` bounds the whole call. Slots are reserved for all exports before any read."""
+    if local is not None and len(local) != len(exports):
+        raise TransportConfigError(f"{len(local)} reserved lists for {len(exports)} exports")
+    for i, e in enumerate(exports):
+        pool = transport.pool_of(e.group)
+        if local is not None and len(local[i]) != len(e):
+            raise TransportConfigError(f"{len(local[i])} reserved pages for {len(e)} exported")
+        if local is not None and any(pool.is_sealed(h) for h in local[i]):
+            raise TransportConfigError("reserved pages must be writable (allocated, not sealed)")
+    pending = [
+        _reserve(transport, e, None if local is None else list(local[i]))
+        for i, e in enumerate(exports)
+    ]
+    deadline = time.monotonic() + (transport.config.timeout_s if timeout_s is None else timeout_s)
+    try:
+        for p in pending:
+            _start(transport, p)
+    except BaseException:
+        for p in pending:
+            _drop(transport, p)
+        raise
+    results = []
+    for i, p in enumerate(pending):
+        try:
+            results.append(_finish(transport, p, deadline, content_hash))
+        except BaseException:
+            for q in pending[i:]:
+                _drop(transport, q)
+            raise
+    return results
+
+
+def _reserve(transport: Transport, export: PageExport, local: list[PageHandle] | None) -> _Pending:
+    pool = transport.pool_of(export.group)
+    if export.fingerprint != pool.fingerprint or export.page_bytes != pool.page_bytes:
+        if local:
+            pool.release_many(local)
+        done = _all_failed(
+            export,
+            FailureReason.LAYOUT_MISMATCH,
+            f"owner pool {export.fingerprint!r}/{export.page_bytes} B does not match this pool "
+            f"{pool.fingerprint!r}/{pool.page_bytes} B",
+        )
+        return _Pending(export, pool, [], [], done=done)
+    if not len(export):
+        return _Pending(export, pool, [], [], done=FetchResult((), (), 0))
+    handles = local if local is not None else pool.allocate_many(len(export))
+    return _Pending(export, pool, handles, [int(pool.slot(h)) for h in handles])
+
+
+def _chunk_pages(transport: Transport, page_bytes: int, n: int) -> int:
+    chunk_bytes = transport.config.fetch_chunk_bytes
+    if not transport.capabilities.overlaps_caller or chunk_bytes == 0:
+        return n  # nothing would overlap: one request
+    return max(1, chunk_bytes // page_bytes)
+
+
+def _start(transport: Transport, p: _Pending) -> None:
+    if p.done is not None:
+        return
+    e, n = p.export, len(p.export)
+    step = _chunk_pages(transport, e.page_bytes, n)
+    try:
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            ticket = transport.read(e.peer, e.slots[a:b], p.slots[a:b], group=e.group)
+            p.chunks.append((a, b, ticket))
+    except TransportError as err:
+        queued = p.chunks[-1][1] if p.chunks else 0
+        p.chunks.append((queued, n, None))  # the part no read was started for
+        p.done = _fail_from(transport, p, 0, err, None)
+
+
+def _fail_from(
+    transport: Transport, p: _Pending, chunk: int, err: TransportError, failed_safe: bool | None
+) -> FetchResult:
+    """Chunks from ``chunk`` on failed with ``err``: chunk ``chunk`` is the read that failed
+    (its slots safe or not; ``None`` when no read failed but one could not start), later ones
+    are aborted. Every slot that can no longer be written is released, the rest withheld."""
+    reason = (
+        FailureReason.TIMEOUT
+        if isinstance(err, TransferTimeoutError)
+        else FailureReason.TRANSFER_FAILED
+    )
+    release: list[PageHandle] = []
+    withheld = 0
+    start = p.chunks[chunk][0]
+    for i, (a, b, ticket) in enumerate(p.chunks[chunk:]):
+        if i == 0 and failed_safe is not None:
+            safe = failed_safe
+        else:
+            safe = ticket is None or transport.abort(ticket)
+        if safe:
+            release += p.handles[a:b]
+        else:
+            withheld += b - a
+    p.next_chunk = len(p.chunks)
+    if release:
+        p.pool.release_many(release)
+    e = p.export
+    failed = tuple(
+        FailedPage(i, ContentHash(e.content_hashes[i]), reason, str(err))
+        for i in range(start, len(e))
+    )
+    return FetchResult((), failed, 0, withheld)
+
+
+def _drop(transport: Transport, p: _Pending) -> None:
+    """Give back what an interrupted fetch holds; a read still in flight could write into its
+    slots, so they are freed only once the transport confirms it was cancelled."""
+    if p.done is None:
+        release: list[PageHandle] = []
+        for a, b, ticket in p.chunks[p.next_chunk :]:
+            if ticket is None or transport.abort(ticket):
+                release += p.handles[a:b]
+        if not p.chunks:
+            release = p.handles
+        p.pool.release_many(release)
+    p.done = p.done or FetchResult((), (), 0)
+
+
+def _finish(
+    transport: Transport, p: _Pending, deadline: float, content_hash: ContentHashFn
+) -> FetchResult:
+    if p.done is not None:
+        return p.done
+    export, pool, handles = p.export, p.pool, p.handles
+    seed = content_seed(export.namespace, pool.fingerprint)
+    # The C function directly for the default hash: one Python frame less per page.
+    fn = xxhash.xxh3_128_intdigest if content_hash is xxh3_128 else content_hash
+    fetched: list[FetchedPage] = []
+    failed: list[FailedPage] = []
+    withheld = landed = 0
+    while p.next_chunk < len(p.chunks):
+        a, b, ticket = p.chunks[p.next_chunk]
+        assert ticket is not None
+        try:
+            transport.wait(ticket, max(deadline - time.monotonic(), 0.0))
+        except TransportError as err:
+            tail = _fail_from(transport, p, p.next_chunk, err, err.slots_safe)
+            failed += tail.failed
+            withheld = tail.withheld_slots
+            break
+        p.next_chunk += 1
+        landed += b - a
+        good: list[int] = []
+        bad: list[FailedPage] = []
+        for i, view in zip(range(a, b), _page_views(pool, p.slots[a:b]), strict=True):
+            want = export.content_hashes[i]
+            got = fn(view, seed)
+            if got == want:
+                good.append(i)
+            else:
+                bad.append(
+                    FailedPage(
+                        i,
+                        ContentHash(want),
+                        FailureReason.HASH_MISMATCH,
+                        f"page {i} (owner slot {export.slots[i]}) from {export.peer!r} hashed "
+                        f"to {got:032x}, expected {want:032x}: corrupted, not installed",
+                    )
+                )
+        if bad:
+            pool.release_many([handles[f.position] for f in bad])
+            failed += bad
+        if good:
+            sealed = pool.seal_many([handles[i] for i in good], export.namespace)
+            fetched += (
+                FetchedPage(i, r.content_hash, r.handle, r.deduplicated)
+                for i, r in zip(good, sealed, strict=True)
+            )
+    failed.sort(key=lambda f: f.position)
+    p.done = FetchResult(tuple(fetched), tuple(failed), landed * pool.page_bytes, withheld)
+    return p.done

@@ -1,0 +1,350 @@
+"""NIXL transport: one-sided READs of a peer pool's slots straight into local slots.
+
+One NIXL agent per pool actor. Its pool tensors (one per layer group) are registered once, in
+:meth:`register`; each slot of each group is one descriptor of a *prepared* list, made once for
+the local pools and once per peer (groups concatenated, so a group's slot ``s`` is descriptor
+``offset[group] + s``). A read of any number of slots is then one ``make_prepped_xfer`` request
+built from two index lists (NIXL merges runs of adjacent slots into single descriptors).
+Nothing is registered or prepared per transfer. The progress thread stays on (see
+:class:`NixlTransport`).
+
+Every agent call runs on one I/O thread of the transport. Over UCX's cma transport (processes
+on one host) the copy happens inside the posting call, with the GIL released; on the I/O thread
+it proceeds while the caller verifies and seals pages that already landed, and one thread keeps
+the agent single-threaded (its default, lock-free sync mode).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tessera_ray.core import BlockPool
+from tessera_ray.errors import (
+    TransferFailedError,
+    TransferTimeoutError,
+    TransportConfigError,
+    TransportError,
+    TransportUnavailableError,
+)
+from tessera_ray.transport.base import (
+    PeerInfo,
+    TransferState,
+    TransferTicket,
+    Transport,
+    TransportCapabilities,
+)
+from tessera_ray.transport.config import TransportConfig
+
+__all__ = ["NixlTransport", "import_nixl"]
+
+log = logging.getLogger(__name__)
+
+_INIT_AGENT = "NIXL_INIT_AGENT"
+_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING, "ERR": TransferState.FAILED}
+_SPINS = 64
+"""Completion checks before the first pause: a cma read of a few MB is done within them."""
+_CANCEL_GRACE_S = 2.0
+"""How long an abort waits for the I/O thread to release a request (it may be inside a
+synchronous copy); past it the request counts as uncancellable and its slots stay withheld."""
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Job:
+    future: Future[tuple[TransferState, bool]]
+    """Resolves to (final state, request released) once the read settles on the I/O thread."""
+    cancel: threading.Event
+
+
+def import_nixl() -> tuple[Any, Any]:
+    """``(nixl_agent, nixl_agent_config)``, or :class:`TransportUnavailableError`."""
+    # With system libibverbs present, UCX's IB module can crash the process at exit; excluding
+    # it must happen before UCX loads (REFERENCE.md). setdefault keeps an operator's choice.
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except Exception as e:  # ImportError, or a broken wheel failing while loading its library
+        raise TransportUnavailableError(f"NIXL is not importable here: {e}") from e
+    return nixl_agent, nixl_agent_config
+
+
+def _mem(pool_device: str) -> tuple[str, int]:
+    if pool_device.startswith("cuda"):
+        _, _, idx = pool_device.partition(":")
+        return "VRAM", int(idx or 0)
+    return "DRAM", 0
+
+
+def _slot_descs(regions: list[tuple[int, int, int]], dev: int) -> tuple[np.ndarray, list[int]]:
+    """Nx3 ``(address, length, device)``, one row per page slot of every ``(base, num_pages,
+    page_bytes)`` region, and each region's first row."""
+    rows, offsets = [], []
+    start = 0
+    for base, num_pages, page_bytes in regions:
+        descs = np.empty((num_pages, 3), dtype=np.uint64)
+        descs[:, 0] = base + np.arange(num_pages, dtype=np.uint64) * np.uint64(page_bytes)
+        descs[:, 1] = page_bytes
+        descs[:, 2] = dev
+        rows.append(descs)
+        offsets.append(start)
+        start += num_pages
+    return np.concatenate(rows), offsets
+
+
+class NixlTransport(Transport):
+    """See the module docstring. Raises :class:`TransportUnavailableError` when no agent starts."""
+
+    kind = "nixl"
+    capabilities = TransportCapabilities(
+        one_sided=True, cross_process=True, device_memory=True, overlaps_caller=True
+    )
+
+    def __init__(self, config: TransportConfig, *, name: str) -> None:
+        super().__init__(config, name=name)
+        nixl_agent, nixl_agent_config = import_nixl()
+        try:
+            self._agent = nixl_agent(
+                name,
+                nixl_agent_config(
+                    # Required: without it a cross-process READ here never completes (the
+                    # state check does not drive progress). Its cost: NIXL's Python API fixes
+                    # the thread's poll delay at 0, so it spins ~one core per agent even idle.
+                    enable_prog_thread=True,
+                    backends=list(config.nixl_backends),
+                    num_threads=config.nixl_num_threads,
+                ),
+            )
+        except Exception as e:
+            raise TransportUnavailableError(f"NIXL agent {name!r} did not start: {e}") from e
+        missing = [b for b in config.nixl_backends if b not in self._agent.backends]
+        if missing:
+            raise TransportUnavailableError(
+                f"NIXL backend(s) {', '.join(missing)} not available (plugins here: "
+                f"{', '.join(self._agent.plugin_list) or 'none'})"
+            )
+        self._reg: Any = None
+        self._local: Any = None
+        self._local_offsets: list[int] = []
+        self._remote: dict[str, Any] = {}
+        self._remote_offsets: dict[str, list[int]] = {}
+        self._xfers: dict[int, Any] = {}  # I/O thread only
+        self._jobs: dict[int, _Job] = {}
+        self._mem_type = "DRAM"
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-io-{name}")
+
+    def _on_io(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the I/O thread and return its result (keeps the agent single-threaded)."""
+        return self._io.submit(fn).result()
+
+    def _register(self, pools: tuple[BlockPool, ...]) -> None:
+        self._on_io(lambda: self._register_io(pools))
+
+    def _register_io(self, pools: tuple[BlockPool, ...]) -> None:
+        mem_type, dev = _mem(str(pools[0].data.device))
+        try:
+            self._reg = self._agent.register_memory([p.data for p in pools])
+            descs, self._local_offsets = _slot_descs(
+                [(p.data.data_ptr(), p.data.shape[0], p.page_bytes) for p in pools], dev
+            )
+            self._local = self._agent.prep_xfer_dlist(_INIT_AGENT, descs, mem_type)
+        except Exception as e:
+            raise TransportError(f"registering the pools with NIXL failed: {e}") from e
+        self._mem_type = mem_type
+
+    def _metadata(self) -> bytes:
+        # Taken after registration, so it carries the registered pool memory.
+        return self._on_io(lambda: bytes(self._agent.get_agent_metadata()))
+
+    def _add_peer(self, info: PeerInfo) -> None:
+        self._on_io(lambda: self._add_peer_io(info))
+
+    def _add_peer_io(self, info: PeerInfo) -> None:
+        mem_type, dev = _mem(info.regions[0].device)
+        try:
+            loaded = self._agent.add_remote_agent(info.metadata)
+        except Exception as e:
+            raise TransportError(f"loading NIXL metadata of peer {info.name!r} failed: {e}") from e
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != info.name:
+            self._agent.remove_remote_agent(loaded)
+            raise TransportConfigError(
+                f"peer info names {info.name!r} but its metadata is agent {loaded!r}"
+            )
+        descs, offsets = _slot_descs(
+            [(r.base_addr, r.num_pages, r.page_bytes) for r in info.regions], dev
+        )
+        try:
+            self._remote[info.name] = self._agent.prep_xfer_dlist(info.name, descs, mem_type)
+            self._remote_offsets[info.name] = offsets
+        except Exception as e:
+            self._agent.remove_remote_agent(info.name)
+            raise TransportError(
+                f"preparing descriptors of peer {info.name!r} failed (is its pool registered?): {e}"
+            ) from e
+
+    def _remove_peer(self, name: str) -> None:
+        self._on_io(lambda: self._remove_peer_io(name))
+
+    def _remove_peer_io(self, name: str) -> None:
+        handle = self._remote.pop(name, None)
+        self._remote_offsets.pop(name, None)
+        try:
+            if handle is not None:
+                self._agent.release_dlist_handle(handle)
+            self._agent.remove_remote_agent(name)
+        except Exception as e:  # a dead peer may already be disconnected: nothing to undo
+            log.debug("removing NIXL peer %s: %s", name, e)
+
+    def _start(
+        self, ticket: TransferTicket, info: PeerInfo, remote: list[int], local: list[int]
+    ) -> None:
+        lo = self._local_offsets[ticket.group]
+        ro = self._remote_offsets[info.name][ticket.group]
+        cancel = threading.Event()
+        future = self._io.submit(
+            self._run,
+            ticket,
+            [lo + s for s in local],
+            self._remote[info.name],
+            [ro + s for s in remote],
+            cancel,
+        )
+        self._jobs[ticket.id] = _Job(future, cancel)
+
+    def _run(
+        self,
+        ticket: TransferTicket,
+        local: list[int],
+        remote_dlist: Any,
+        remote: list[int],
+        cancel: threading.Event,
+    ) -> tuple[TransferState, bool]:
+        """I/O thread: build, post and watch one read until it settles; returns (state,
+        released). Cancelled before it started, it never touches the slots."""
+        if cancel.is_set():
+            return TransferState.FAILED, True
+        try:
+            handle = self._agent.make_prepped_xfer("READ", self._local, local, remote_dlist, remote)
+        except Exception as e:
+            log.warning("NIXL could not build read %d from %s: %s", ticket.id, ticket.peer, e)
+            return TransferState.FAILED, True
+        self._xfers[ticket.id] = handle
+        try:
+            self._agent.transfer(handle)
+        except Exception as e:  # reported by the state check below
+            log.debug("posting NIXL read %d failed: %s", ticket.id, e)
+        pause, checks = 1e-5, 0
+        while True:
+            state = self._state(handle)
+            if state is not TransferState.PENDING or cancel.is_set():
+                released = self._settle(ticket.id)
+                return (TransferState.FAILED if state is TransferState.PENDING else state), released
+            checks += 1
+            if checks > _SPINS:
+                # No blocking wait exists in NIXL's Python API; back off so a slow transfer
+                # leaves the CPU to the progress thread.
+                time.sleep(pause)
+                pause = min(pause * 2, self.config.poll_max_sleep_s)
+
+    def _job(self, ticket: TransferTicket) -> _Job:
+        job = self._jobs.get(ticket.id)
+        if job is None:
+            raise TransportError(f"ticket {ticket.id} is unknown or already settled")
+        return job
+
+    def _state(self, handle: Any) -> TransferState:
+        try:
+            return _STATES.get(self._agent.check_xfer_state(handle), TransferState.FAILED)
+        except Exception:
+            return TransferState.FAILED
+
+    def poll(self, ticket: TransferTicket) -> TransferState:
+        job = self._job(ticket)
+        return job.future.result()[0] if job.future.done() else TransferState.PENDING
+
+    def _wait(self, ticket: TransferTicket, timeout_s: float) -> None:
+        job = self._job(ticket)
+        try:
+            state, released = job.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise _failed(
+                TransferTimeoutError(
+                    f"NIXL read {ticket.id} of {ticket.num_pages} pages from {ticket.peer!r} "
+                    f"did not finish within {timeout_s} s; it was aborted"
+                ),
+                self._cancel(ticket.id),
+            ) from None
+        del self._jobs[ticket.id]
+        if state is not TransferState.DONE:
+            raise _failed(
+                TransferFailedError(
+                    f"NIXL read {ticket.id} of {ticket.num_pages} pages from {ticket.peer!r} "
+                    "failed (owner gone or connection broken); fetch from another replica"
+                ),
+                released,
+            )
+
+    def abort(self, ticket: TransferTicket) -> bool:
+        if ticket.id not in self._jobs:
+            return True
+        return self._cancel(ticket.id)
+
+    def _cancel(self, ticket_id: int) -> bool:
+        """Settle a job; True when no byte of it can land any more."""
+        job = self._jobs.pop(ticket_id)
+        job.cancel.set()
+        if job.future.cancel():
+            return True
+        try:
+            return job.future.result(timeout=_CANCEL_GRACE_S)[1]
+        except FutureTimeout:
+            log.warning(
+                "NIXL read %d is stuck in the backend; its slots stay out of use", ticket_id
+            )
+            return False
+
+    def _settle(self, ticket_id: int) -> bool:
+        """I/O thread: release the request (NIXL cancels it if still active); False if it
+        could not be."""
+        handle = self._xfers.pop(ticket_id)
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:
+            log.warning(
+                "NIXL could not cancel read %d; its slots stay out of use: %s", ticket_id, e
+            )
+            return False
+        return True
+
+    def _close(self) -> None:
+        for tid in list(self._jobs):
+            self._cancel(tid)
+        self._on_io(self._close_io)
+        self._io.shutdown(wait=True)
+        # Dropping the agent stops its progress thread (which spins a core) once collected.
+        self._agent = None
+
+    def _close_io(self) -> None:
+        try:
+            if self._local is not None:
+                self._agent.release_dlist_handle(self._local)
+            if self._reg is not None:
+                self._agent.deregister_memory(self._reg)
+        except Exception as e:
+            log.debug("closing NIXL agent %s: %s", self.name, e)
+        self._local = self._reg = None
+
+
+def _failed(err: TransferFailedError | TransferTimeoutError, slots_safe: bool) -> Exception:
+    err.slots_safe = slots_safe
+    return err
