@@ -19,9 +19,9 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import ray
@@ -36,7 +36,7 @@ from tessera_ray.actors.directory import (
     Tier,
 )
 from tessera_ray.actors.links import group_by_shard
-from tessera_ray.actors.messages import PoolStatus, StoredBlock
+from tessera_ray.actors.messages import EvictionReport, PoolStatus, StoredBlock
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import PoolUnavailableError
@@ -346,7 +346,9 @@ class DirectoryActor:
             for name in self._pool_names():
                 try:
                     pool = ray.get_actor(name, namespace=self.ray_namespace)
-                    inventory = await asyncio.wait_for(pool.inventory.remote(), _CALL_TIMEOUT_S)
+                    inventory: list[Registration] = await asyncio.wait_for(
+                        pool.inventory.remote(), _CALL_TIMEOUT_S
+                    )
                     self.shard.rebuild_from(inventory)
                     peer = await asyncio.wait_for(pool.peer_info.remote(), _CALL_TIMEOUT_S)
                     if peer is not None:
@@ -454,14 +456,16 @@ class TesseraClient:
         pools_on: Sequence[str] | None = None,
     ) -> TesseraClient:
         """Start the tier: directory shards on this node, pools on every alive node (or on the
-        node ids in ``pools_on``). Starts an embedded local Ray when none is connected."""
+        node ids in ``pools_on``): one per GPU (``num_gpus=1``, pages in device memory) on GPU
+        nodes, ``pools_per_node`` on CPU nodes. Starts an embedded local Ray when none is
+        connected."""
         if not ray.is_initialized():
             ray.init(
                 address=address or "local",
                 namespace=config.ray_namespace,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
-                logging_level="ERROR",
+                logging_level=logging.ERROR,
             )
         layout = layout or preset_layout(config.model, format=config.format)
         here = ray.get_runtime_context().get_node_id()
@@ -474,17 +478,19 @@ class TesseraClient:
                 get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
             ).remote(i, config.num_shards, config.ray_namespace, config.health_interval_s)
-        nodes = (
-            list(pools_on)
-            if pools_on is not None
-            else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        )
+        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
+        nodes = list(pools_on) if pools_on is not None else list(alive)
         names: list[str] = []
         handles = []
         for node in nodes:
-            for j in range(config.pools_per_node):
+            # One pool per GPU, its pages in device memory; one per node (or pools_per_node)
+            # on CPU nodes.
+            gpus = int(alive.get(node, {}).get("Resources", {}).get("GPU", 0))
+            for j in range(gpus or config.pools_per_node):
                 name = f"{POOL_PREFIX}{node[:12]}-{j}"
                 pool_cfg = config.pool
+                if gpus:
+                    pool_cfg = dataclasses.replace(pool_cfg, device="cuda")
                 if pool_cfg.disk_root is not None:
                     pool_cfg = _with_disk(pool_cfg, name)
                 handles.append(
@@ -493,6 +499,7 @@ class TesseraClient:
                         namespace=config.ray_namespace,
                         lifetime="detached",
                         get_if_exists=True,
+                        num_gpus=1 if gpus else 0,
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                     ).remote(name, layout, pool_cfg, config.ray_namespace, config.num_shards)
                 )
@@ -507,7 +514,9 @@ class TesseraClient:
         """Attach to a running tier (started by :meth:`start` or ``tessera-ray start``): the
         pools and shards are found by name, the layout and settings are asked of a pool."""
         if not ray.is_initialized():
-            ray.init(address=address or "auto", namespace=ray_namespace, logging_level="ERROR")
+            ray.init(
+                address=address or "auto", namespace=ray_namespace, logging_level=logging.ERROR
+            )
         named = [
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
@@ -519,9 +528,11 @@ class TesseraClient:
                 f"no tessera-ray pools in Ray namespace {ray_namespace!r}; start the tier first "
                 f"(tessera-ray start)"
             )
-        layout, pool_cfg, num_shards = ray.get(
-            ray.get_actor(pools[0], namespace=ray_namespace).describe.remote()
+        described = cast(
+            tuple[ModelLayout, PoolServiceConfig, int],
+            ray.get(ray.get_actor(pools[0], namespace=ray_namespace).describe.remote()),
         )
+        layout, pool_cfg, num_shards = described
         config = TierConfig(
             model=layout.model, pool=pool_cfg, num_shards=num_shards, ray_namespace=ray_namespace
         )
@@ -548,50 +559,62 @@ class TesseraClient:
         return next(n for n in self.pools if n.startswith(prefix))
 
     # ------------------------------------------------------------------ data path
+    #
+    # Each operation is written once, as a coroutine (``a``-prefixed: use these inside an event
+    # loop, e.g. a Ray Serve deployment); the plain method runs it to completion for scripts.
 
-    def store(
+    async def astore(
         self, namespace: str, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
     ) -> list[StoredBlock]:
         """Two-phase store into ``pool``: reserve, then commit (the pool registers the blocks
         with the directory); a failed commit aborts the reservation."""
         actor = self.pool(pool)
-        res = ray.get(actor.reserve.remote(len(token_keys)))
+        res = await actor.reserve.remote(len(token_keys))
         try:
-            return ray.get(actor.commit.remote(res.id, namespace, list(token_keys), payloads))
+            stored: list[StoredBlock] = await actor.commit.remote(
+                res.id, namespace, list(token_keys), payloads
+            )
+            return stored
         except BaseException:
             actor.abort.remote(res.id)
             raise
 
-    def lookup(self, namespace: str, token_keys: Sequence[TokenKey]) -> list[LookupResult | None]:
+    async def alookup(
+        self, namespace: str, token_keys: Sequence[TokenKey]
+    ) -> list[LookupResult | None]:
         """One call per shard. A shard that is down (restarting) answers with misses."""
         out: list[LookupResult | None] = [None] * len(token_keys)
         groups = group_by_shard(token_keys, self.config.num_shards)
-        refs = {
-            s: self.shard(s).lookup.remote(namespace, [token_keys[i] for i in idx])
-            for s, idx in groups.items()
-        }
-        for s, idx in groups.items():
+
+        async def ask(s: int, idx: list[int]) -> None:
+            ref = self.shard(s).lookup.remote(namespace, [token_keys[i] for i in idx])
             try:
-                answer = ray.get(refs[s], timeout=_CALL_TIMEOUT_S)
-            except (*_DEAD, ray.exceptions.GetTimeoutError) as exc:
+                answer = await asyncio.wait_for(ref, _CALL_TIMEOUT_S)
+            except (*_DEAD, TimeoutError) as exc:
                 log.warning("directory shard %d unavailable: %s; answering misses", s, exc)
-                continue
+                return
             for i, r in zip(idx, answer, strict=True):
                 out[i] = r
+
+        await asyncio.gather(*(ask(s, idx) for s, idx in groups.items()))
         return out
 
-    def purge_pool(self, pool: str) -> None:
-        for s in range(self.config.num_shards):
+    async def apurge_pool(self, pool: str) -> None:
+        async def purge(s: int) -> None:
             try:
-                ray.get(self.shard(s).purge_pool.remote(pool), timeout=_CALL_TIMEOUT_S)
-            except (*_DEAD, ray.exceptions.GetTimeoutError):
+                await asyncio.wait_for(self.shard(s).purge_pool.remote(pool), _CALL_TIMEOUT_S)
+            except (*_DEAD, TimeoutError):
                 pass
 
-    def fetch(self, namespace: str, token_keys: Sequence[TokenKey], *, into: str) -> FetchResult:
+        await asyncio.gather(*(purge(s) for s in range(self.config.num_shards)))
+
+    async def afetch(
+        self, namespace: str, token_keys: Sequence[TokenKey], *, into: str
+    ) -> FetchResult:
         """Make the blocks available in pool ``into``: local hits stay, blocks held elsewhere are
         pulled (memory replicas first, then disk), a dead owner is purged and the next replica
         tried; what no live replica has is a miss (the engine recomputes it)."""
-        results = self.lookup(namespace, token_keys)
+        results = await self.alookup(namespace, token_keys)
         local, missed = [], []
         pending: dict[TokenKey, list[str]] = {}
         for key, r in zip(token_keys, results, strict=True):
@@ -611,13 +634,13 @@ class TesseraClient:
             by_owner: dict[str, list[TokenKey]] = {}
             for key, owners in pending.items():
                 by_owner.setdefault(owners[0], []).append(key)
-            owners_list = list(by_owner)
-            refs = [target.fetch_from.remote(o, namespace, by_owner[o]) for o in owners_list]
-            for owner, reasons in zip(owners_list, ray.get(refs), strict=True):
-                dead = any(r is not None and "unavailable" in r for r in reasons)
-                if dead:
-                    self.purge_pool(owner)
-                for key, reason in zip(by_owner[owner], reasons, strict=True):
+            answers = await asyncio.gather(
+                *(target.fetch_from.remote(o, namespace, ks) for o, ks in by_owner.items())
+            )
+            for (owner, owner_keys), reasons in zip(by_owner.items(), answers, strict=True):
+                if any(r is not None and "unavailable" in r for r in reasons):
+                    await self.apurge_pool(owner)
+                for key, reason in zip(owner_keys, reasons, strict=True):
                     if reason is None:
                         fetched.append(key)
                         del pending[key]
@@ -628,7 +651,7 @@ class TesseraClient:
                         del pending[key]
         return FetchResult(into, tuple(local), tuple(fetched), tuple(missed), failed)
 
-    def attend(
+    async def aattend(
         self,
         namespace: str,
         token_keys: Sequence[TokenKey],
@@ -644,7 +667,7 @@ class TesseraClient:
         no pool holds in memory (fetch them first, or recompute)."""
         from tessera_ray.kernels import merge_attention_states
 
-        results = self.lookup(namespace, token_keys)
+        results = await self.alookup(namespace, token_keys)
         assigned: dict[str, list[int]] = {}
         absent = []
         for i, r in enumerate(results):
@@ -657,28 +680,64 @@ class TesseraClient:
         if absent:
             raise LookupError(f"blocks {absent} of the sequence are in no pool's memory")
         keys = list(token_keys)
-        refs = {
-            p: self.pool(p).attend.remote(
-                namespace, keys, pos, layer, q, seqlen, softmax_scale, causal
+        partials = await asyncio.gather(
+            *(
+                self.pool(p).attend.remote(
+                    namespace, keys, pos, layer, q, seqlen, softmax_scale, causal
+                )
+                for p, pos in assigned.items()
             )
-            for p, pos in assigned.items()
-        }
-        outs, lses = [], []
-        for p, ref in refs.items():
-            out, lse, missing = ray.get(ref)
+        )
+        for p, (_, _, missing) in zip(assigned, partials, strict=True):
             if missing:
                 raise LookupError(f"pool {p} no longer holds blocks {missing}; retry")
-            outs.append(out)
-            lses.append(lse)
-        return merge_attention_states(outs, lses)
+        return merge_attention_states([o for o, _, _ in partials], [lse for _, lse, _ in partials])
+
+    async def aread(
+        self, namespace: str, token_keys: Sequence[TokenKey], *, pool: str
+    ) -> list[np.ndarray | None]:
+        rows: list[np.ndarray | None] = await self.pool(pool).read.remote(
+            namespace, list(token_keys)
+        )
+        return rows
+
+    async def aevict(self, pool: str, num_blocks: int) -> EvictionReport:
+        report: EvictionReport = await self.pool(pool).evict.remote(num_blocks)
+        return report
+
+    def store(
+        self, namespace: str, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
+    ) -> list[StoredBlock]:
+        return _run(self.astore(namespace, token_keys, payloads, pool=pool))
+
+    def lookup(self, namespace: str, token_keys: Sequence[TokenKey]) -> list[LookupResult | None]:
+        return _run(self.alookup(namespace, token_keys))
+
+    def purge_pool(self, pool: str) -> None:
+        _run(self.apurge_pool(pool))
+
+    def fetch(self, namespace: str, token_keys: Sequence[TokenKey], *, into: str) -> FetchResult:
+        return _run(self.afetch(namespace, token_keys, into=into))
+
+    def attend(
+        self,
+        namespace: str,
+        token_keys: Sequence[TokenKey],
+        layer: int,
+        q: Any,
+        seqlen: int,
+        softmax_scale: float,
+        causal: bool = True,
+    ) -> tuple[Any, Any]:
+        return _run(self.aattend(namespace, token_keys, layer, q, seqlen, softmax_scale, causal))
 
     def read(
         self, namespace: str, token_keys: Sequence[TokenKey], *, pool: str
     ) -> list[np.ndarray | None]:
-        return ray.get(self.pool(pool).read.remote(namespace, list(token_keys)))
+        return _run(self.aread(namespace, token_keys, pool=pool))
 
-    def evict(self, pool: str, num_blocks: int) -> Any:
-        return ray.get(self.pool(pool).evict.remote(num_blocks))
+    def evict(self, pool: str, num_blocks: int) -> EvictionReport:
+        return _run(self.aevict(pool, num_blocks))
 
     # ------------------------------------------------------------------ status
 
@@ -705,6 +764,22 @@ class TesseraClient:
             return all(ray.get(refs, timeout=timeout_s + _CALL_TIMEOUT_S))
         except (*_DEAD, ray.exceptions.GetTimeoutError):
             return False
+
+
+_T = TypeVar("_T")
+
+
+def _run(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run a client coroutine from synchronous code (scripts, tests)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError(
+        "TesseraClient's blocking methods cannot run inside an event loop; await the "
+        "a-prefixed form instead (astore, alookup, afetch, aattend, aread, aevict)"
+    )
 
 
 def _with_disk(cfg: PoolServiceConfig, pool_name: str) -> PoolServiceConfig:

@@ -46,7 +46,7 @@ from tessera_ray.actors.messages import (
     StoredBlock,
 )
 from tessera_ray.core import BlockPool, PageHandle, PoolConfig, block_hash, content_seed, xxh3_128
-from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.core.results import BlockHash, ContentHash, TokenKey
 from tessera_ray.errors import LeaseError, PageShapeError, PoolExhaustedError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import PeerInfo, Transport
@@ -258,7 +258,11 @@ class PoolService:
             dedup &= all(p.deduplicated for p in result.pages)
             registered &= result.token_key_registered
             first = first or result.handles[0]
-        bh = hashes[0] if len(hashes) == 1 else block_hash(hashes, self._seed(namespace))
+        bh = (
+            hashes[0]
+            if len(hashes) == 1
+            else block_hash([ContentHash(h) for h in hashes], self._seed(namespace))
+        )
         assert first is not None
         if registered:
             self._resident[(namespace, key)] = BlockHash(bh)
@@ -412,7 +416,7 @@ class PoolService:
             for layer, want in enumerate(expected):
                 page = view[offset : offset + pool.page_bytes]
                 offset += pool.page_bytes
-                if xxh3_128(memoryview(page), seed) != want:
+                if xxh3_128(memoryview(page.data), seed) != want:
                     return (
                         f"block {block.token_key[:4].hex()}...: page {layer} of group {g} does not "
                         f"match the owner's content hash; not installed"
@@ -607,8 +611,8 @@ class PoolService:
                 continue
             await self.disk.put(ns, items)
             spilled.extend(refs)
-            for r in refs:
-                self._on_disk[(ns, r.token_key)] = r.block_hash
+            for ref in refs:
+                self._on_disk[(ns, ref.token_key)] = ref.block_hash
         self.spills += len(spilled)
         self.lost += len(lost)
         if self.directory is not None:

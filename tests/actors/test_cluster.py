@@ -3,6 +3,7 @@ pool, a restarting directory shard, and a client that dies between reserve and c
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,6 +104,27 @@ def test_sixteen_agents_keep_one_copy_per_node_then_one_cluster_wide(
     assert all(r is not None and [rep.pool for rep in r.replicas] == [pools[0]] for r in found)
     got = tier.read("fleet", keys, pool=pools[0])
     assert np.array_equal(np.stack(got), data)
+
+
+def test_async_forms_inside_an_event_loop(tier: TesseraClient, tessera_cluster: SimCluster) -> None:
+    n1, n2, _ = (tier.pool_on(n) for n in tessera_cluster.node_ids)
+    keys, data = prefix("async", 2, salt=6), blocks(2, 6)
+
+    async def agent() -> None:
+        stored, _ = await asyncio.gather(
+            tier.astore("async", keys, data, pool=n1), asyncio.sleep(0)
+        )
+        assert all(s.registered for s in stored)
+        found = await tier.alookup("async", keys)
+        assert [r.block_hash for r in found if r] == [s.block_hash for s in stored]
+        got = await tier.afetch("async", keys, into=n2)
+        assert set(got.fetched) == set(keys)
+        rows = await tier.aread("async", keys, pool=n2)
+        assert np.array_equal(np.stack(rows), data)
+        with pytest.raises(RuntimeError, match="await the a-prefixed form"):
+            tier.lookup("async", keys)
+
+    asyncio.run(agent())
 
 
 def _status(tier: TesseraClient, pool: str) -> PoolStatus:
