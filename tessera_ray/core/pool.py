@@ -337,6 +337,14 @@ class BlockPool:
         host, pb, i = self._host, self.page_bytes, rec.index
         page = host[i * pb : (i + 1) * pb] if host is not None else self._page_buffer(i)
         digest = self._hash(page, self._dedup.seeds[ns])
+        index = self._dedup.buckets[ns]
+        if digest not in index:
+            # Fresh content, the common case: one dict probe, no candidate to compare. Kept
+            # lean because sealing must run near raw xxh3 speed (bench_pool, >= 0.8).
+            index[digest] = rec
+            rec.state, rec.namespace, rec.digest = SEALED, ns, digest
+            self._sealed += 1
+            return SealResult(handle, ContentHash(digest), False, False)
         candidates = self._dedup.candidates(ns, digest)
         for cand in candidates:
             if equal_bytes(self.data, cand.index, i):
@@ -344,12 +352,11 @@ class BlockPool:
                 self._decref(rec)
                 self._dedup_hits += 1
                 return SealResult(self._handle(cand), ContentHash(digest), True, False)
-        collision = bool(candidates)
-        self._collisions += collision
+        self._collisions += 1
         self._dedup.insert(ns, digest, rec)
         rec.state, rec.namespace, rec.digest = SEALED, ns, digest
         self._sealed += 1
-        return SealResult(handle, ContentHash(digest), False, collision)
+        return SealResult(handle, ContentHash(digest), False, True)
 
     def share(self, handle: PageHandle) -> PageHandle:
         """Take one more reference on a sealed page (taking it off the LRU if unreferenced)."""
@@ -483,21 +490,20 @@ class BlockPool:
             rec = self._lru.pop_front()
             if rec is None:
                 break
-            assert rec.state == SEALED and rec.refcount == 0
-            data = self._page_buffer(rec.index).tobytes() if copy_data else None
-            out.append(
-                EvictedPage(
-                    self._dedup.names[rec.namespace],
-                    ContentHash(rec.digest),
-                    PageIndex(rec.index),
-                    data,
-                )
-            )
-            self._unindex(rec)
-            # _free_slot pushes onto the free list; the record is off the LRU already.
-            self._free_slot(rec)
-            self._evictions += 1
+            out.append(self._evict_page(rec, copy_data))
         return out
+
+    def _evict_page(self, rec: PageRecord, copy_data: bool) -> EvictedPage:
+        """Evict one unreferenced sealed page already taken off the LRU."""
+        assert rec.state == SEALED and rec.refcount == 0
+        data = self._page_buffer(rec.index).tobytes() if copy_data else None
+        evicted = EvictedPage(
+            self._dedup.names[rec.namespace], ContentHash(rec.digest), PageIndex(rec.index), data
+        )
+        self._unindex(rec)
+        self._free_slot(rec)  # pushes onto the free list; the record is off the LRU already
+        self._evictions += 1
+        return evicted
 
     def evict_block(
         self, namespace: str, token_key: TokenKey, *, copy_data: bool = True
@@ -515,18 +521,7 @@ class BlockPool:
         out: list[EvictedPage] = []
         for rec in dict.fromkeys(block.pages):  # a deduplicated page may repeat in a block
             self._lru.remove(rec)
-            data = self._page_buffer(rec.index).tobytes() if copy_data else None
-            out.append(
-                EvictedPage(
-                    self._dedup.names[rec.namespace],
-                    ContentHash(rec.digest),
-                    PageIndex(rec.index),
-                    data,
-                )
-            )
-            self._unindex(rec)
-            self._free_slot(rec)
-            self._evictions += 1
+            out.append(self._evict_page(rec, copy_data))
         return out
 
     def _unindex(self, rec: PageRecord) -> None:
