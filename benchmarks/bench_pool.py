@@ -225,7 +225,7 @@ def bench_metadata(num_pages: int) -> Row:
 
 def main() -> None:
     args = parse_args(BENCHMARK)
-    n, repeat = (256, 5) if args.quick else (1024, 9)
+    n, repeat = (256, 5) if args.quick else (1024, 21)
     rows = bench_seal(n, repeat)
     rows.append(bench_copy(n, repeat))
     rows.append(bench_alloc(20_000 if args.quick else 100_000, repeat))
