@@ -96,6 +96,8 @@ class BlockPool:
         self._hash: ContentHashFn = (
             xxhash.xxh3_128_intdigest if content_hash is xxh3_128 else content_hash
         )
+        self.content_hash_fn = content_hash
+        """The content hash this pool seals with (readers verify fetched pages with it)."""
         check_fits(config, self.page_bytes)
         self.data = torch.zeros(
             (config.num_pages, self.page_bytes),
@@ -333,10 +335,45 @@ class BlockPool:
         ns = self._dedup.namespace(namespace)
         return [self._seal(r, ns, h) for r, h in zip(recs, handles, strict=True)]
 
-    def _seal(self, rec: PageRecord, ns: int, handle: PageHandle) -> SealResult:
-        host, pb, i = self._host, self.page_bytes, rec.index
-        page = host[i * pb : (i + 1) * pb] if host is not None else self._page_buffer(i)
-        digest = self._hash(page, self._dedup.seeds[ns])
+    def seal_verified(
+        self, handles: Sequence[PageHandle], namespace: str, expected: Sequence[int]
+    ) -> tuple[list[SealResult | None], list[int]]:
+        """Seal the pages whose content hash equals ``expected[i]`` (what their owner sealed
+        them with), hashing each page once; a page that differs is left writable and unsealed.
+
+        For bytes that arrived from another pool: verification and sealing share one hash
+        pass. Returns per page its :class:`SealResult` or ``None``, and the positions that
+        did not match (the caller releases those pages).
+        """
+        if len(expected) != len(handles):
+            raise PageShapeError(f"{len(expected)} expected hashes for {len(handles)} pages")
+        recs = self._distinct(handles)
+        for r in recs:
+            if r.state == SEALED:
+                raise PageSealedError(f"page {r.index} is already sealed")
+        ns = self._dedup.namespace(namespace)
+        seed, host, pb = self._dedup.seeds[ns], self._host, self.page_bytes
+        out: list[SealResult | None] = []
+        mismatched: list[int] = []
+        for pos, (rec, handle, want) in enumerate(zip(recs, handles, expected, strict=True)):
+            i = rec.index
+            page = host[i * pb : (i + 1) * pb] if host is not None else self._page_buffer(i)
+            digest = self._hash(page, seed)
+            if digest != want:
+                mismatched.append(pos)
+                out.append(None)
+            else:
+                out.append(self._seal(rec, ns, handle, digest))
+        return out, mismatched
+
+    def _seal(
+        self, rec: PageRecord, ns: int, handle: PageHandle, digest: int | None = None
+    ) -> SealResult:
+        i = rec.index
+        if digest is None:
+            host, pb = self._host, self.page_bytes
+            page = host[i * pb : (i + 1) * pb] if host is not None else self._page_buffer(i)
+            digest = self._hash(page, self._dedup.seeds[ns])
         index = self._dedup.buckets[ns]
         if digest not in index:
             # Fresh content, the common case: one dict probe, no candidate to compare. Kept

@@ -348,6 +348,18 @@ def _drop(transport: Transport, p: _Pending) -> None:
     p.done = p.done or FetchResult((), (), 0)
 
 
+def _mismatch(export: PageExport, i: int, got: int | None) -> FailedPage:
+    want = export.content_hashes[i]
+    seen = f"hashed to {got:032x}" if got is not None else "did not hash to it"
+    return FailedPage(
+        i,
+        ContentHash(want),
+        FailureReason.HASH_MISMATCH,
+        f"page {i} (owner slot {export.slots[i]}) from {export.peer!r} {seen}, expected "
+        f"{want:032x}: corrupted, not installed",
+    )
+
+
 def _finish(
     transport: Transport, p: _Pending, deadline: float, content_hash: ContentHashFn
 ) -> FetchResult:
@@ -372,32 +384,38 @@ def _finish(
             break
         p.next_chunk += 1
         landed += b - a
-        good: list[int] = []
-        bad: list[FailedPage] = []
-        for i, view in zip(range(a, b), _page_views(pool, p.slots[a:b]), strict=True):
-            want = export.content_hashes[i]
-            got = fn(view, seed)
-            if got == want:
-                good.append(i)
-            else:
-                bad.append(
-                    FailedPage(
-                        i,
-                        ContentHash(want),
-                        FailureReason.HASH_MISMATCH,
-                        f"page {i} (owner slot {export.slots[i]}) from {export.peer!r} hashed "
-                        f"to {got:032x}, expected {want:032x}: corrupted, not installed",
-                    )
+        if content_hash is pool.content_hash_fn:
+            # The pool hashes with the owner's function: verify and seal in one hash pass.
+            chunk = list(range(a, b))
+            sealed, mismatched = pool.seal_verified(
+                [handles[i] for i in chunk],
+                export.namespace,
+                [export.content_hashes[i] for i in chunk],
+            )
+            bad = [_mismatch(export, chunk[m], None) for m in mismatched]
+            fetched += (
+                FetchedPage(i, r.content_hash, r.handle, r.deduplicated)
+                for i, r in zip(chunk, sealed, strict=True)
+                if r is not None
+            )
+        else:
+            good: list[int] = []
+            bad = []
+            for i, view in zip(range(a, b), _page_views(pool, p.slots[a:b]), strict=True):
+                got = fn(view, seed)
+                if got == export.content_hashes[i]:
+                    good.append(i)
+                else:
+                    bad.append(_mismatch(export, i, got))
+            if good:
+                results = pool.seal_many([handles[i] for i in good], export.namespace)
+                fetched += (
+                    FetchedPage(i, r.content_hash, r.handle, r.deduplicated)
+                    for i, r in zip(good, results, strict=True)
                 )
         if bad:
             pool.release_many([handles[f.position] for f in bad])
             failed += bad
-        if good:
-            sealed = pool.seal_many([handles[i] for i in good], export.namespace)
-            fetched += (
-                FetchedPage(i, r.content_hash, r.handle, r.deduplicated)
-                for i, r in zip(good, sealed, strict=True)
-            )
     failed.sort(key=lambda f: f.position)
     p.done = FetchResult(tuple(fetched), tuple(failed), landed * pool.page_bytes, withheld)
     return p.done

@@ -12,6 +12,7 @@ import torch
 from tessera_ray.core import BlockPool, PoolConfig, token_key
 from tessera_ray.core._records import BlockRecord, PageRecord
 from tessera_ray.core.results import PageHandle, PoolStats, SealResult
+from tessera_ray.errors import PageShapeError
 from tessera_ray.layout import preset_layout
 from tests.core.conftest import FINGERPRINT, make_pool, page_of
 
@@ -297,4 +298,24 @@ def test_evict_block_takes_exactly_that_block_and_only_when_unreferenced() -> No
         pool.release_many(list(got))
     after = pool.stats()
     assert after.pages_free == before.pages_free + 2 and after.evictions == before.evictions + 2
+    pool.check_consistency()
+
+
+def test_seal_verified_hashes_once_and_seals_only_matching_pages() -> None:
+    pool = make_pool(8)
+    source = make_pool(8)
+    pages = [page_of(b) for b in (1, 2, 3)]
+    expected = [source.seal(source.write(source.allocate(), p), "t").content_hash for p in pages]
+    hs = [pool.write(pool.allocate(), p) for p in pages]
+    hs[1] = pool.write(hs[1], page_of(9))  # corrupted in flight
+    before = pool.stats()
+    results, mismatched = pool.seal_verified(hs, "t", expected)
+    assert mismatched == [1] and results[1] is None
+    assert [r.content_hash for r in results if r] == [expected[0], expected[2]]
+    assert pool.is_sealed(hs[0]) and not pool.is_sealed(hs[1]) and pool.is_sealed(hs[2])
+    assert pool.stats().pages_sealed == before.pages_sealed + 2
+    pool.release(hs[1])  # the caller gives the mismatching page back
+    assert pool.stats().pages_free == before.pages_free + 1
+    with pytest.raises(PageShapeError, match="2 expected hashes for 3 pages"):
+        pool.seal_verified(hs, "t", expected[:2])
     pool.check_consistency()
