@@ -37,9 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/tessera-ray size --model deepseek-v3,kimi-k2,deepseek-v4-flash,llama-3.1-70b --context 8k,32k,128k,1m
-	$(BIN)/tessera-ray size --plot kv_sizes.png --context 8k,128k,1m > /dev/null
-	@echo "plot: kv_sizes.png"
+	$(BIN)/tessera-ray demo --report demo_report.json --plot demo.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

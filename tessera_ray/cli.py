@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from tessera_ray._cli_demo import add_demo_command
+from tessera_ray._cli_status import add_status_command
 from tessera_ray._cli_tier import add_tier_commands
 from tessera_ray.errors import TesseraError
 from tessera_ray.layout import (
@@ -142,6 +144,8 @@ def _build_parser() -> argparse.ArgumentParser:
     fsck.add_argument("--progress", action="store_true", help="show progress even off a TTY")
     fsck.set_defaults(handler=_cmd_fsck)
     add_tier_commands(sub)
+    add_status_command(sub)
+    add_demo_command(sub)
     return parser
 
 

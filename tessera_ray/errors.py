@@ -248,3 +248,24 @@ class LeaseError(TesseraError, KeyError):
 
 class PoolUnavailableError(TesseraError, ConnectionError):
     """A pool actor is dead or unreachable; its replicas are being purged."""
+
+
+class MetricsError(TesseraError, ValueError):
+    """A metric is recorded that ``tessera_ray.metrics.METRICS`` does not declare, or with
+    other tags than declared; declare it there (names, tags and kinds are fixed)."""
+
+
+__all__ += ["MetricsError"]
+
+
+# ------------------------------------------------------- demo and serve (tessera_ray.demo/serve)
+__all__ += ["DemoConfigError", "BadRequestError"]
+
+
+class DemoConfigError(TesseraError, ValueError):
+    """A demo setting is out of range (``tessera-ray demo``); the message names the setting."""
+
+
+class BadRequestError(TesseraError, ValueError):
+    """An HTTP request to the Serve app is malformed (not JSON, a missing field, a key that is
+    not 64 hex digits); answered with status 400 and nothing in the tier changes."""

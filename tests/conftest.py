@@ -9,6 +9,7 @@ and the repository on ``PYTHONPATH``, through the job's runtime environment.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,14 @@ class SimCluster:
     address: str
     node_ids: list[str]
     """Node ids in start order: the head first."""
+    metrics_export_port: int = 0
+    """The head node's Prometheus endpoint: ``http://127.0.0.1:<port>/metrics``."""
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +45,7 @@ def tessera_cluster() -> Iterator[SimCluster]:
     import ray
     from ray.cluster_utils import Cluster
 
+    metrics_port = _free_loopback_port()
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -43,6 +53,7 @@ def tessera_cluster() -> Iterator[SimCluster]:
             "node_ip_address": "127.0.0.1",
             "include_dashboard": False,
             "object_store_memory": 256 << 20,
+            "metrics_export_port": metrics_port,
         },
     )
     for _ in range(NUM_NODES - 1):
@@ -57,7 +68,7 @@ def tessera_cluster() -> Iterator[SimCluster]:
     head = ray.get_runtime_context().get_node_id()
     others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
     try:
-        yield SimCluster(cluster.address, [head, *others])
+        yield SimCluster(cluster.address, [head, *others], metrics_port)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -35,13 +36,17 @@ from tessera_ray.actors.directory import (
     Registration,
     Tier,
 )
+from tessera_ray.actors.exporter import export_directory_stats, export_pool_status, pool_tags
 from tessera_ray.actors.links import group_by_shard
-from tessera_ray.actors.messages import EvictionReport, PoolStatus, StoredBlock
+from tessera_ray.actors.messages import EvictionReport, PinTicket, PoolStatus, StoredBlock
 from tessera_ray.actors.pool_service import PoolService
+from tessera_ray.core import ContentHashFn, xxh3_128
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import PoolUnavailableError
 from tessera_ray.layout import ModelLayout, preset_layout
+from tessera_ray.metrics import get_metrics
 from tessera_ray.transport import PeerInfo, make_transport
+from tessera_ray.transport.factory import fallback_counts
 
 __all__ = [
     "PoolActor",
@@ -139,6 +144,7 @@ class PoolActor:
         config: PoolServiceConfig,
         ray_namespace: str,
         num_shards: int,
+        content_hash: ContentHashFn | None = None,
     ) -> None:
         # UCX reads this when the NIXL agent starts: with system libibverbs present a process
         # holding a UCX backend can crash at exit otherwise (REFERENCE.md).
@@ -147,7 +153,16 @@ class PoolActor:
         self.ray_namespace = ray_namespace
         self.num_shards = num_shards
         self.directory = _RayDirectory(ray_namespace, num_shards)
-        self.svc = PoolService(name, layout, config, directory=self.directory, node=node)
+        # content_hash: a weaker hash forces collisions in tests; the default is xxh3-128.
+        self.svc = PoolService(
+            name,
+            layout,
+            config,
+            directory=self.directory,
+            node=node,
+            content_hash=content_hash or xxh3_128,
+        )
+        self.metrics = get_metrics()
         # One-sided reads need NIXL; without it (or with kind "ray") blocks move through the
         # object store (read_pinned + install), verified the same way.
         self.peer: PeerInfo | None = None
@@ -167,12 +182,29 @@ class PoolActor:
         if self.peer is not None:
             await self.directory.publish_peer(self.peer)
         await self.svc.reopen_disk()
-        self._tasks = [asyncio.get_running_loop().create_task(self._reaper())]
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._reaper()), loop.create_task(self._exporter())]
 
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.svc.config.lease_s / 4))
             self.svc.reap()
+
+    async def _exporter(self) -> None:
+        while True:
+            await asyncio.sleep(self.svc.config.metrics_interval_s)
+            try:
+                self._export()
+            except Exception:  # a metrics hiccup must not stop the pool's exports for good
+                log.exception("pool %s: metrics export failed", self.svc.name)
+
+    def _export(self) -> None:
+        export_pool_status(self.metrics, self.svc.status(), self.ray_namespace, fallback_counts())
+
+    async def flush_metrics(self) -> None:
+        """Export the current snapshot now (instead of waiting for the next interval)."""
+        await self._start()
+        self._export()
 
     async def ready(self) -> str:
         await self._start()
@@ -283,9 +315,21 @@ class PoolActor:
             ticket = await self.svc.pin(namespace, keys)
             self.svc.unpin(ticket.id)
             return [None if b is not None else "not on this pool" for b in ticket.blocks]
+        began = time.perf_counter()
+        reasons = await self._pull(owner_name, namespace, keys, timeout_s)
+        tags = pool_tags(self.ray_namespace, self.svc.name, self.svc.node)
+        self.metrics.observe("tessera_transfer_latency_seconds", time.perf_counter() - began, tags)
+        installed = sum(r is None for r in reasons)
+        self.metrics.inc("tessera_transfer_bytes", installed * self.svc.block_bytes, tags)
+        self.metrics.inc("tessera_transfer_errors", len(reasons) - installed, tags)
+        return reasons
+
+    async def _pull(
+        self, owner_name: str, namespace: str, keys: list[TokenKey], timeout_s: float
+    ) -> list[str | None]:
         try:
             owner = ray.get_actor(owner_name, namespace=self.ray_namespace)
-            ticket = await asyncio.wait_for(owner.pin.remote(namespace, keys), timeout_s)
+            ticket: PinTicket = await asyncio.wait_for(owner.pin.remote(namespace, keys), timeout_s)
         except (*_DEAD, ValueError, TimeoutError) as exc:
             return [f"owner {owner_name} unavailable: {type(exc).__name__}"] * len(keys)
         try:
@@ -318,9 +362,16 @@ class DirectoryActor:
     """Thin shell over :class:`DirectoryShard`, rebuilt from pool inventories after a start."""
 
     def __init__(
-        self, shard: int, num_shards: int, ray_namespace: str, health_interval_s: float
+        self,
+        shard: int,
+        num_shards: int,
+        ray_namespace: str,
+        health_interval_s: float,
+        metrics_interval_s: float = 5.0,
     ) -> None:
         self.shard = DirectoryShard(shard, num_shards)
+        self.metrics = get_metrics()
+        self.metrics_interval_s = metrics_interval_s
         self.ray_namespace = ray_namespace
         self.health_interval_s = health_interval_s
         self._rebuilt = asyncio.Event()
@@ -332,7 +383,24 @@ class DirectoryActor:
             self._started = True
             loop = asyncio.get_running_loop()
             # Keep references: the loop holds tasks weakly.
-            self._tasks = [loop.create_task(self._rebuild()), loop.create_task(self._health_loop())]
+            self._tasks = [
+                loop.create_task(self._rebuild()),
+                loop.create_task(self._health_loop()),
+                loop.create_task(self._exporter()),
+            ]
+
+    async def _exporter(self) -> None:
+        while True:
+            await asyncio.sleep(self.metrics_interval_s)
+            try:
+                export_directory_stats(self.metrics, self.shard.stats(), self.ray_namespace)
+            except Exception:  # a metrics hiccup must not stop the shard's exports for good
+                log.exception("directory shard: metrics export failed")
+
+    async def flush_metrics(self) -> None:
+        """Export the current snapshot now (instead of waiting for the next interval)."""
+        self._start()
+        export_directory_stats(self.metrics, self.shard.stats(), self.ray_namespace)
 
     def _pool_names(self) -> list[str]:
         return [
@@ -477,7 +545,13 @@ class TesseraClient:
                 max_restarts=-1,
                 get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-            ).remote(i, config.num_shards, config.ray_namespace, config.health_interval_s)
+            ).remote(
+                i,
+                config.num_shards,
+                config.ray_namespace,
+                config.health_interval_s,
+                config.pool.metrics_interval_s,
+            )
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
         nodes = list(pools_on) if pools_on is not None else list(alive)
         names: list[str] = []
@@ -756,6 +830,13 @@ class TesseraClient:
             except (*_DEAD, ValueError, ray.exceptions.GetTimeoutError) as exc:
                 shards.append(f"shard {s}: down ({type(exc).__name__})")
         return pools, shards
+
+    def flush_metrics(self) -> None:
+        """Have every pool and shard export its snapshot now (Ray still ships the values to
+        the nodes' metrics endpoints on its own schedule)."""
+        refs = [self.pool(p).flush_metrics.remote() for p in self.pools]
+        refs += [self.shard(s).flush_metrics.remote() for s in range(self.config.num_shards)]
+        ray.get(refs, timeout=_CALL_TIMEOUT_S)
 
     def wait_rebuilt(self, timeout_s: float = 30.0) -> bool:
         """Block until every shard has rebuilt its index (after a start or a restart)."""

@@ -37,12 +37,15 @@ class PoolServiceConfig:
     """Longest lease a caller may ask for."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     """How this pool pulls pages from other pools (``auto``: NIXL, else the object store)."""
+    metrics_interval_s: float = 5.0
+    """How often the pool (and the directory shards) export their snapshots as metrics."""
 
     def __post_init__(self) -> None:
         _positive("num_blocks", self.num_blocks)
         _positive("disk_capacity_bytes", self.disk_capacity_bytes)
         _positive("lease_s", self.lease_s, integer=False)
         _positive("max_lease_s", self.max_lease_s, integer=False)
+        _positive("metrics_interval_s", self.metrics_interval_s, integer=False)
         if self.lease_s > self.max_lease_s:
             raise TierConfigError(f"lease_s {self.lease_s} exceeds max_lease_s {self.max_lease_s}")
         if self.disk_root is not None:

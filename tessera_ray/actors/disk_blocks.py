@@ -166,6 +166,13 @@ class DiskBlocks:
         used = sum(s.data.used_bytes + s.manifests.used_bytes for s in self._spaces.values())
         return blocks, used
 
+    def quarantined(self) -> int:
+        """Records that failed verification and were quarantined, over all namespaces."""
+        return sum(
+            s.data.stats.corrupt_total + s.manifests.stats.corrupt_total
+            for s in self._spaces.values()
+        )
+
     async def close(self) -> None:
         for space in self._spaces.values():
             await space.close()

@@ -6,7 +6,7 @@ answered by a list aligned with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tessera_ray.actors.directory import Tier
 from tessera_ray.core.results import BlockHash, TokenKey
@@ -138,3 +138,9 @@ class PoolStatus:
     transport: str
     """How this pool pulls blocks: ``nixl`` (one-sided reads) or ``object-store``."""
     tier_counts: dict[Tier, int]
+    quarantines: int = 0
+    """Disk records that failed verification and were quarantined (cumulative)."""
+    pages_used: dict[Tier, int] = field(default_factory=dict)
+    """Pages in use per tier (disk: pages of the blocks stored there); no disk key: no tier."""
+    pages_free: dict[Tier, int] = field(default_factory=dict)
+    """Pages free per tier (disk: whole blocks' pages that fit under the capacity)."""

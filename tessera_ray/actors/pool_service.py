@@ -45,7 +45,15 @@ from tessera_ray.actors.messages import (
     Reservation,
     StoredBlock,
 )
-from tessera_ray.core import BlockPool, PageHandle, PoolConfig, block_hash, content_seed, xxh3_128
+from tessera_ray.core import (
+    BlockPool,
+    ContentHashFn,
+    PageHandle,
+    PoolConfig,
+    block_hash,
+    content_seed,
+    xxh3_128,
+)
 from tessera_ray.core.results import BlockHash, ContentHash, TokenKey
 from tessera_ray.errors import LeaseError, PageShapeError, PoolExhaustedError
 from tessera_ray.layout import ModelLayout
@@ -55,6 +63,7 @@ from tessera_ray.transport.fetch import FetchResult, PageExport, fetch_verified_
 __all__ = ["PoolService"]
 
 _KEY_BYTES = 32
+_RESERVE_ROUNDS = 3
 _Key = tuple[str, bytes]
 
 
@@ -78,6 +87,7 @@ class PoolService:
         directory: DirectoryLink | None = None,
         node: str = "local",
         clock: Callable[[], float] = time.time,
+        content_hash: ContentHashFn = xxh3_128,
     ) -> None:
         if not layout.groups:
             raise PageShapeError(f"layout {layout.model!r} has no paged layer group to pool")
@@ -92,6 +102,7 @@ class PoolService:
                 layout,
                 i,
                 PoolConfig(num_pages=config.num_blocks * len(g.layers), device=config.device),
+                content_hash=content_hash,
             )
             for i, g in enumerate(layout.groups)
         ]
@@ -168,14 +179,21 @@ class PoolService:
                 "split the request"
             )
         lease = self._lease_s(lease_s)
-        short = num_blocks - self._free_blocks()
-        if short > 0:
-            await self.evict(short)
-            if self._free_blocks() < num_blocks:
-                raise PoolExhaustedError(
-                    f"pool {self.name!r}: {num_blocks} blocks wanted, {self._free_blocks()} free "
-                    f"after eviction (the rest is referenced or reserved); retry later"
-                )
+        # Evicting awaits the directory, so a concurrent request may take what was freed:
+        # try a few rounds before giving up. Pages no key can reach go first, for free.
+        for _ in range(_RESERVE_ROUNDS):
+            short = num_blocks - self._free_blocks()
+            if short <= 0:
+                break
+            for pool in self.pools:
+                pool.evict_unnamed(short * pool.layers_per_block)
+            if num_blocks > self._free_blocks():
+                await self.evict(num_blocks - self._free_blocks())
+        if self._free_blocks() < num_blocks:
+            raise PoolExhaustedError(
+                f"pool {self.name!r}: {num_blocks} blocks wanted, {self._free_blocks()} free "
+                f"after eviction (the rest is referenced or reserved); retry later"
+            )
         handles = [
             [pool.allocate_many(pool.layers_per_block) for pool in self.pools]
             for _ in range(num_blocks)
@@ -573,7 +591,9 @@ class PoolService:
     async def evict(self, num_blocks: int) -> EvictionReport:
         """Evict up to ``num_blocks`` unreferenced blocks: replicated ones first (dropped), then
         least recently used ones, whose last copy goes to disk."""
-        candidates = [k for k in self._resident]
+        # Only the least recently used few are considered (and asked about in one directory
+        # call per namespace), not the whole pool: eviction cost stays bounded by the request.
+        candidates = list(itertools.islice(self._resident, max(4 * num_blocks, 64)))
         replicated: set[_Key] = set()
         if self.directory is not None and candidates:
             by_ns: dict[str, list[_Key]] = {}
@@ -695,6 +715,14 @@ class PoolService:
     def status(self) -> PoolStatus:
         stats = [p.stats() for p in self.pools]
         _, disk_bytes = self.disk.stats() if self.disk is not None else (0, 0)
+        pages_used = {Tier.MEMORY: sum(s.pages_used for s in stats)}
+        pages_free = {Tier.MEMORY: sum(s.pages_free for s in stats)}
+        if self.disk is not None:
+            # The disk tier stores whole blocks, so its pages are counted in blocks' pages.
+            per_block = sum(p.layers_per_block for p in self.pools)
+            room = max(0, self.config.disk_capacity_bytes - disk_bytes) // self.block_bytes
+            pages_used[Tier.DISK] = len(self._on_disk) * per_block
+            pages_free[Tier.DISK] = room * per_block
         return PoolStatus(
             name=self.name,
             node=self.node,
@@ -719,6 +747,9 @@ class PoolService:
             bytes_in=self.bytes_in,
             transport=self.transport.kind if self.transport is not None else "object-store",
             tier_counts={Tier.MEMORY: len(self._resident), Tier.DISK: len(self._on_disk)},
+            quarantines=self.disk.quarantined() if self.disk is not None else 0,
+            pages_used=pages_used,
+            pages_free=pages_free,
         )
 
     async def close(self) -> None:

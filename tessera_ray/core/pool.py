@@ -530,6 +530,17 @@ class BlockPool:
             out.append(self._evict_page(rec, copy_data))
         return out
 
+    def evict_unnamed(self, max_pages: int) -> int:
+        """Evict up to ``max_pages`` unreferenced sealed pages that belong to no block, oldest
+        first; returns how many left. Such pages are sealed but unreachable by any token key
+        (a block dropped with a shared page, a fetch that failed part-way, a key registered
+        first elsewhere), so freeing them loses nothing a lookup could find."""
+        orphans = [rec for rec in self._lru if rec.blocks is None][: max(max_pages, 0)]
+        for rec in orphans:
+            self._lru.remove(rec)
+            self._evict_page(rec, copy_data=False)
+        return len(orphans)
+
     def _evict_page(self, rec: PageRecord, copy_data: bool) -> EvictedPage:
         """Evict one unreferenced sealed page already taken off the LRU."""
         assert rec.state == SEALED and rec.refcount == 0

@@ -199,3 +199,17 @@ def test_restart_reopens_disk_and_reannounces(tmp_path: Path) -> None:
     ticket = run(again.pin(NS, ks))
     assert np.array_equal(again.read_pinned(ticket.id), data)
     run(again.close())
+
+
+def test_concurrent_reserves_evict_enough_for_both(tmp_path: Path) -> None:
+    """Eviction awaits the directory, so two reservations interleave; both must still get
+    their slots (from stored blocks, spilled to disk) while nothing is referenced."""
+    pool = make(num_blocks=4, directory=LocalDirectory(2), disk=tmp_path)
+    run(pool.store(NS, keys(4), payloads(4, 8, pool.block_bytes)))
+
+    async def both() -> list[int]:
+        a, b = await asyncio.gather(pool.reserve(2), pool.reserve(2))
+        return [a.num_blocks, b.num_blocks]
+
+    assert run(both()) == [2, 2]
+    assert pool.status().blocks_free == 0 and pool.status().blocks_on_disk == 4

@@ -319,3 +319,18 @@ def test_seal_verified_hashes_once_and_seals_only_matching_pages() -> None:
     with pytest.raises(PageShapeError, match="2 expected hashes for 3 pages"):
         pool.seal_verified(hs, "t", expected[:2])
     pool.check_consistency()
+
+
+def test_evict_unnamed_frees_only_pages_no_key_reaches() -> None:
+    pool = make_pool(8)
+    named = pool.seal_block(
+        [pool.write(pool.allocate(), page_of(1))], "t", token_key("t", FINGERPRINT, None, [1])
+    )
+    orphan = pool.seal(pool.write(pool.allocate(), page_of(2)), "t")
+    pool.release_many([*named.handles, orphan.handle])
+    before = pool.stats()
+    assert pool.evict_unnamed(8) == 1
+    assert pool.stats().pages_free == before.pages_free + 1
+    got = pool.lookup("t", token_key("t", FINGERPRINT, None, [1]))
+    assert got is not None and pool.read(got[0]).tolist() == [1] * 64
+    pool.check_consistency()
