@@ -507,10 +507,14 @@ class FetchResult:
 class TesseraClient:
     """Starts or connects to the tier; every method is batched (one call per shard)."""
 
-    def __init__(self, config: TierConfig, layout: ModelLayout, pools: list[str]) -> None:
+    def __init__(
+        self, config: TierConfig, layout: ModelLayout, pools: list[str], *, owns_ray: bool = False
+    ) -> None:
         self.config = config
         self.layout = layout
         self.pools = pools
+        self.owns_ray = owns_ray
+        """True when :meth:`start` started the embedded Ray; :meth:`stop` then shuts it down."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -522,18 +526,21 @@ class TesseraClient:
         layout: ModelLayout | None = None,
         address: str | None = None,
         pools_on: Sequence[str] | None = None,
+        quiet: bool = False,
     ) -> TesseraClient:
         """Start the tier: directory shards on this node, pools on every alive node (or on the
         node ids in ``pools_on``): one per GPU (``num_gpus=1``, pages in device memory) on GPU
-        nodes, ``pools_per_node`` on CPU nodes. Starts an embedded local Ray when none is
-        connected."""
-        if not ray.is_initialized():
+        nodes, ``pools_per_node`` on CPU nodes. Starts an embedded local Ray on 127.0.0.1 when
+        none is connected (``quiet``: keep the actors' log lines off this process's output)."""
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
             ray.init(
                 address=address or "local",
                 namespace=config.ray_namespace,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
                 logging_level=logging.ERROR,
+                log_to_driver=not quiet,
             )
         layout = layout or preset_layout(config.model, format=config.format)
         here = ray.get_runtime_context().get_node_id()
@@ -579,7 +586,7 @@ class TesseraClient:
                 )
                 names.append(name)
         ray.get([h.ready.remote() for h in handles])
-        return cls(config, layout, names)
+        return cls(config, layout, names, owns_ray=owns_ray and address is None)
 
     @classmethod
     def connect(
@@ -613,12 +620,15 @@ class TesseraClient:
         return cls(config, layout, pools)
 
     def stop(self) -> None:
-        """Kill the tier's actors (the disk tiers stay on disk)."""
+        """Kill the tier's actors (the disk tiers stay on disk), and the embedded Ray if
+        :meth:`start` started it."""
         for name in [*self.pools, *(_shard_name(i) for i in range(self.config.num_shards))]:
             try:
                 ray.kill(ray.get_actor(name, namespace=self.config.ray_namespace), no_restart=True)
             except ValueError:
                 pass
+        if self.owns_ray:
+            ray.shutdown()
 
     # ------------------------------------------------------------------ handles
 

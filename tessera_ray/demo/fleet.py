@@ -10,14 +10,12 @@ and compare the logits bit for bit. Only the public client API is used.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import ray
 import torch
 
 from tessera_ray.actors.client import TesseraClient
@@ -52,18 +50,6 @@ def run_demo(
     # UCX reads this when NIXL starts in the pool actors, which inherit the driver's
     # environment on an embedded Ray (see tests/conftest.py for why).
     os.environ.setdefault("UCX_MODULES", "^ib")
-    # The demo's only ray.* calls outside actors/client.py: it owns an embedded Ray's
-    # lifetime, and keeps the actors' log lines (NIXL start-up) out of the summary.
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        ray.init(
-            address="local",
-            namespace=config.ray_namespace,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-        )
     engine = Engine(config.max_prompt_blocks() + 1)  # + 1: the partial tail block
     with tempfile.TemporaryDirectory(prefix="tessera-demo-", ignore_cleanup_errors=True) as disk:
         tier_config = TierConfig(
@@ -78,15 +64,17 @@ def run_demo(
             ray_namespace=config.ray_namespace,
             pools_per_node=config.pools_per_node,
         )
-        client = TesseraClient.start(tier_config, layout=engine.layout, pools_on=pools_on)
+        # Starts an embedded Ray when none is connected (and stop() shuts it down); the
+        # actors' log lines (NIXL start-up) stay out of the summary.
+        client = TesseraClient.start(
+            tier_config, layout=engine.layout, pools_on=pools_on, quiet=True
+        )
         try:
             client.wait_rebuilt()
             startup_s = time.perf_counter() - t0
             report = _run(client, engine, config, progress)
         finally:
             client.stop()
-            if owns_ray:
-                ray.shutdown()
     report.startup_s = startup_s
     report.wall_s = time.perf_counter() - t0
     return report
