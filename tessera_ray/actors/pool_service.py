@@ -454,16 +454,30 @@ class PoolService(TransferMixin):
         return EvictionReport(tuple(dropped), tuple(spilled), tuple(lost))
 
     def _evict_block(self, namespace: str, key: TokenKey) -> bytes | None:
+        """The block's payload (every layer's page, in order) and its eviction from memory;
+        ``None`` when it is referenced (pinned or being read) or already gone."""
+        per_group = [pool.lookup(namespace, key) for pool in self.pools]
+        try:
+            if any(h is None for h in per_group):
+                return None
+            # Read before evicting: pages the block shares with other blocks stay in the pool,
+            # so the payload cannot be rebuilt from what leaves.
+            payload = b"".join(
+                pool.read_bytes(h)
+                for pool, hs in zip(self.pools, per_group, strict=True)
+                for h in hs or ()
+            )
+        finally:
+            for pool, hs in zip(self.pools, per_group, strict=True):
+                if hs is not None:
+                    pool.release_many(list(hs))
         # Pins and lookups reference every group's pages together, so either every group
         # evicts or none does; the first group decides.
-        parts: list[bytes] = []
         for g, pool in enumerate(self.pools):
-            pages = pool.evict_block(namespace, key)
-            if pages is None:
+            if pool.evict_block(namespace, key, copy_data=False) is None:
                 assert g == 0, "block referenced in one layer group but not in another"
                 return None
-            parts.extend(p.data or b"" for p in pages)
-        return b"".join(parts)
+        return payload
 
     async def _restore(self, namespace: str, token_keys: Sequence[TokenKey]) -> None:
         wanted = [k for k in token_keys if (namespace, k) in self._on_disk]

@@ -58,6 +58,18 @@ class BlockIndex:
             return None
         return block
 
+    def drop_block(self, block: BlockRecord) -> None:
+        """Forget ``block`` and its token keys; its pages stay (unlinked from it). A no-op for
+        a block already forgotten."""
+        key = tuple(r.index for r in block.pages)
+        if self.blocks.get(key) is not block:
+            return
+        del self.blocks[key]
+        for token_key in block.token_keys:
+            del self.token_keys[token_key]
+        for page in dict.fromkeys(block.pages):
+            _unlink(page, block)
+
     def drop_page(self, rec: PageRecord) -> None:
         """Forget every block that names ``rec`` (it is being evicted), with its token keys."""
         for block in blocks_of(rec):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from tessera_ray.core._blocks import BlockIndex
+from tessera_ray.core._blocks import BlockIndex, blocks_of
 from tessera_ray.core._bytes import copy_rows, equal_bytes, zero_row
 from tessera_ray.core._dedup import DedupIndex
 from tessera_ray.core._records import FREE, SEALED, WRITABLE, PageList, PageRecord
@@ -556,20 +556,25 @@ class BlockPool:
     def evict_block(
         self, namespace: str, token_key: TokenKey, *, copy_data: bool = True
     ) -> list[EvictedPage] | None:
-        """Evict the pages of the block ``token_key`` names, now, out of LRU order.
+        """Evict the block ``token_key`` names, now, out of LRU order.
 
         For callers that choose victims by block (the pool actor evicts blocks with replicas
-        elsewhere first). Returns ``None`` and changes nothing when the key names no block or
-        any of its pages is referenced; a page also named by other blocks takes them with it,
-        as in :meth:`evict`.
+        elsewhere first). The block and its token keys are forgotten; its pages leave, except
+        pages that other blocks also name (a deduplicated page: layer-0 KV of the same tokens
+        at the same positions under another prefix), which stay for those blocks, so evicting
+        one block never takes another with it. Returns the pages that left, or ``None`` (and
+        changes nothing) when the key names no block or any of its pages is referenced.
         """
         block = self._block_index.find(self._dedup.known(namespace), token_key)
         if block is None or any(r.refcount for r in block.pages):
             return None
         out: list[EvictedPage] = []
         for rec in dict.fromkeys(block.pages):  # a deduplicated page may repeat in a block
+            if any(b is not block for b in blocks_of(rec)):
+                continue
             self._lru.remove(rec)
             out.append(self._evict_page(rec, copy_data))
+        self._block_index.drop_block(block)  # when every page was shared, it is still named
         return out
 
     def _unindex(self, rec: PageRecord) -> None:

@@ -334,3 +334,24 @@ def test_evict_unnamed_frees_only_pages_no_key_reaches() -> None:
     got = pool.lookup("t", token_key("t", FINGERPRINT, None, [1]))
     assert got is not None and pool.read(got[0]).tolist() == [1] * 64
     pool.check_consistency()
+
+
+def test_evict_block_keeps_pages_another_block_still_names() -> None:
+    """Two blocks share a deduplicated page (the same layer-0 bytes under two prefixes):
+    evicting one block frees only its own pages; the other block stays whole."""
+    pool = make_pool(8, layers_per_block=2)
+    k1 = token_key("t", FINGERPRINT, None, [1])
+    k2 = token_key("t", FINGERPRINT, None, [2])
+    a = pool.seal_block([pool.write(pool.allocate(), page_of(b)) for b in (5, 6)], "t", k1)
+    b = pool.seal_block([pool.write(pool.allocate(), page_of(b)) for b in (5, 7)], "t", k2)
+    assert b.pages[0].deduplicated  # layer 0 is one shared page
+    pool.release_many([*a.handles, *b.handles])
+    before = pool.stats()
+    out = pool.evict_block("t", k1)
+    assert out is not None and [e.data[0] for e in out if e.data] == [6]  # only its own page
+    assert pool.lookup("t", k1) is None
+    got = pool.lookup("t", k2)
+    assert got is not None and [pool.read(h)[0].item() for h in got] == [5, 7]
+    assert pool.stats().pages_free == before.pages_free + 1
+    pool.release_many(list(got))
+    pool.check_consistency()
