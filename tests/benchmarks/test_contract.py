@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-ROW_KEYS = {"name", "value", "unit", "baseline", "baseline_value", "ratio", "target_ratio"}
+from tests.benchmarks.contract import ROOT, run_quick
 
 
 def test_baselines_quick_writes_contract_json(tmp_path: Path) -> None:
-    out = tmp_path / "baselines.json"
-    subprocess.run(
-        [sys.executable, "benchmarks/bench_baselines.py", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    doc = json.loads(out.read_text())
-    assert doc["benchmark"] == "baselines" and doc["quick"] is True
-    assert {"python", "cpus", "torch"} <= set(doc["machine"])
+    doc = run_quick("baselines", tmp_path)
     names = [r["name"] for r in doc["rows"]]
     assert names == ["memcpy", "xxh3_128", "file_write_fsync", "file_read_cold"]
-    for row in doc["rows"]:
-        assert ROW_KEYS <= set(row)
-        assert row["value"] > 0
-        if row["baseline"] is not None:
-            assert row["ratio"] == row["value"] / row["baseline_value"]
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
