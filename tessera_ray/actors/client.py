@@ -255,9 +255,11 @@ class PoolActor:
         await self._start()
         return await self.svc.store(namespace, keys, payloads)
 
-    async def contains(self, namespace: str, keys: list[TokenKey]) -> list[Tier | None]:
+    async def contains(
+        self, namespace: str, keys: list[TokenKey], touch: bool = False
+    ) -> list[Tier | None]:
         await self._start()
-        return self.svc.contains(namespace, keys)
+        return self.svc.contains(namespace, keys, touch)
 
     async def pin(self, namespace: str, keys: list[TokenKey], lease_s: float | None = None) -> Any:
         await self._start()
@@ -714,6 +716,23 @@ class TesseraClient:
         fetched: list[TokenKey] = []
         failed: dict[TokenKey, str] = {}
         target = self.pool(into)
+        if local:
+            # Confirm the local hits (the directory may lag an eviction) and mark them used, so
+            # the pool keeps them over older blocks; a stale one is pulled like any other.
+            held = await target.contains.remote(namespace, local, True)
+            for key, tier in zip(list(local), held, strict=True):
+                if tier != Tier.MEMORY:
+                    local.remove(key)
+                    result = results[token_keys.index(key)]
+                    others = (
+                        [rep.pool for rep in result.replicas if rep.pool != into] if result else []
+                    )
+                    if tier == Tier.DISK:
+                        others.insert(0, into)
+                    if others:
+                        pending[key] = list(dict.fromkeys(others))
+                    else:
+                        missed.append(key)
         while pending:
             by_owner: dict[str, list[TokenKey]] = {}
             for key, owners in pending.items():

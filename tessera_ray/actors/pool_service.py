@@ -308,13 +308,18 @@ class PoolService(TransferMixin):
 
     # ------------------------------------------------------------------ read
 
-    def contains(self, namespace: str, token_keys: Sequence[TokenKey]) -> list[Tier | None]:
+    def contains(
+        self, namespace: str, token_keys: Sequence[TokenKey], touch: bool = False
+    ) -> list[Tier | None]:
         """Where this pool holds each block: memory, disk, or nowhere."""
         self._check_keys(namespace, token_keys)
         out: list[Tier | None] = []
         for key in token_keys:
             if self.pools[0].contains(namespace, key):
                 out.append(Tier.MEMORY)
+                if touch and (namespace, key) in self._resident:
+                    # A hit is a use: the block moves to the young end of the eviction order.
+                    self._resident.move_to_end((namespace, key))
             elif (namespace, key) in self._on_disk:
                 out.append(Tier.DISK)
             else:

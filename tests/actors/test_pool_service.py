@@ -213,3 +213,13 @@ def test_concurrent_reserves_evict_enough_for_both(tmp_path: Path) -> None:
 
     assert run(both()) == [2, 2]
     assert pool.status().blocks_free == 0 and pool.status().blocks_on_disk == 4
+
+
+def test_a_touched_hit_is_evicted_after_older_blocks() -> None:
+    pool = make(num_blocks=4)
+    ks = keys(3)
+    run(pool.store(NS, ks, payloads(3, 9, pool.block_bytes)))
+    assert pool.contains(NS, ks[:1], touch=True) == [Tier.MEMORY]  # the oldest is used again
+    report = run(pool.evict(1))
+    assert [r.token_key for r in report.lost] == [ks[1]]
+    assert pool.contains(NS, ks) == [Tier.MEMORY, None, Tier.MEMORY]
