@@ -137,10 +137,14 @@ class PoolStatus:
     bytes_in: int
     transport: str
     """How this pool pulls blocks: ``nixl`` (one-sided reads) or ``object-store``."""
-    tier_counts: dict[Tier, int]
     quarantines: int = 0
     """Disk records that failed verification and were quarantined (cumulative)."""
     pages_used: dict[Tier, int] = field(default_factory=dict)
     """Pages in use per tier (disk: pages of the blocks stored there); no disk key: no tier."""
     pages_free: dict[Tier, int] = field(default_factory=dict)
     """Pages free per tier (disk: whole blocks' pages that fit under the capacity)."""
+
+    @property
+    def tier_counts(self) -> dict[Tier, int]:
+        """Blocks per tier (derived from ``blocks_in_memory`` and ``blocks_on_disk``)."""
+        return {Tier.MEMORY: self.blocks_in_memory, Tier.DISK: self.blocks_on_disk}

@@ -567,7 +567,6 @@ class PoolService(TransferMixin):
             transfers_in=self.transfers_in,
             bytes_in=self.bytes_in,
             transport=self.transport.kind if self.transport is not None else "object-store",
-            tier_counts={Tier.MEMORY: len(self._resident), Tier.DISK: len(self._on_disk)},
             quarantines=self.disk.quarantined() if self.disk is not None else 0,
             pages_used=pages_used,
             pages_free=pages_free,
