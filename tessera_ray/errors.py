@@ -12,6 +12,7 @@ __all__ = [
     "TierConfigError",
     "LeaseError",
     "PoolUnavailableError",
+    "TenantError",
     "DirectoryError",
     "TesseraError",
     "LayoutError",
@@ -250,6 +251,12 @@ class PoolUnavailableError(TesseraError, ConnectionError):
     """A pool actor is dead or unreachable; its replicas are being purged."""
 
 
+class TenantError(TesseraError, PermissionError):
+    """A call named a namespace it may not use: no credential on a tier that requires one, a
+    credential that does not verify, or a namespace the credential does not grant. Nothing was
+    read or changed."""
+
+
 class MetricsError(TesseraError, ValueError):
     """A metric is recorded that ``tessera_ray.metrics.METRICS`` does not declare, or with
     other tags than declared; declare it there (names, tags and kinds are fixed)."""
@@ -267,5 +274,6 @@ class DemoConfigError(TesseraError, ValueError):
 
 
 class BadRequestError(TesseraError, ValueError):
-    """An HTTP request to the Serve app is malformed (not JSON, a missing field, a key that is
-    not 64 hex digits); answered with status 400 and nothing in the tier changes."""
+    """A request is malformed or oversized (an HTTP body that is not JSON, a missing field, a
+    key that is not 64 hex digits, a batch over the per-call limit); refused before anything in
+    the tier changes (the Serve app answers it with status 400)."""

@@ -9,6 +9,7 @@ and the repository on ``PYTHONPATH``, through the job's runtime environment.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,12 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 # Keep every Ray address on loopback: without this Ray resolves 127.0.0.1 to the machine's
 # routable address when a driver connects to an existing cluster. Read when ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray's token authentication stays on for the test cluster, as in production (the chaos suite
+# checks a driver with a wrong token is refused). A fresh machine has no token yet: give this
+# session one, in the environment only (Ray reads RAY_AUTH_TOKEN before ~/.ray/auth_token).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+if not os.environ.get("RAY_AUTH_TOKEN") and not (Path.home() / ".ray" / "auth_token").exists():
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 import pytest
 

@@ -40,6 +40,7 @@ from tessera_ray.actors.exporter import export_directory_stats, export_pool_stat
 from tessera_ray.actors.links import group_by_shard
 from tessera_ray.actors.messages import EvictionReport, PinTicket, PoolStatus, StoredBlock
 from tessera_ray.actors.pool_service import PoolService
+from tessera_ray.actors.tenancy import Access, Credential, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import PoolUnavailableError
@@ -105,6 +106,10 @@ class _RayDirectory:
             )
         )
 
+    async def purge(self, pool: str) -> None:
+        """Forget every replica of ``pool`` (a pool process that starts holds nothing)."""
+        await asyncio.gather(*(self._call(s, "purge_pool", pool) for s in range(self.num_shards)))
+
     async def publish_peer(self, info: PeerInfo) -> None:
         """Every shard keeps every pool's transport data, so a reader finds it at any shard."""
         await asyncio.gather(*(self._call(s, "publish_peer", info) for s in range(self.num_shards)))
@@ -117,7 +122,7 @@ class _RayDirectory:
         return None
 
     async def lookup(
-        self, namespace: str, token_keys: Sequence[TokenKey]
+        self, namespace: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
         out: list[LookupResult | None] = [None] * len(token_keys)
         groups = group_by_shard(token_keys, self.num_shards)
@@ -133,7 +138,9 @@ class _RayDirectory:
         return out
 
 
-@ray.remote(num_cpus=0)
+# Restarted by Ray when its process dies (calls in flight fail; clients fall back): the new
+# process purges the old one's memory replicas and re-announces its disk tier.
+@ray.remote(num_cpus=0, max_restarts=-1)
 class PoolActor:
     """Thin shell over :class:`PoolService` (see the module docstring)."""
 
@@ -145,6 +152,7 @@ class PoolActor:
         ray_namespace: str,
         num_shards: int,
         content_hash: ContentHashFn | None = None,
+        tenant_secret: bytes | None = None,
     ) -> None:
         # UCX reads this when the NIXL agent starts: with system libibverbs present a process
         # holding a UCX backend can crash at exit otherwise (REFERENCE.md).
@@ -161,7 +169,9 @@ class PoolActor:
             directory=self.directory,
             node=node,
             content_hash=content_hash or xxh3_128,
+            gate=TenantGate(tenant_secret),
         )
+        self._incarnations: dict[str, int] = {}
         self.metrics = get_metrics()
         # One-sided reads need NIXL; without it (or with kind "ray") blocks move through the
         # object store (read_pinned + install), verified the same way.
@@ -179,6 +189,9 @@ class PoolActor:
         if self._started:
             return
         self._started = True
+        # This process holds nothing in memory yet: replicas a previous incarnation registered
+        # under this name are stale.
+        await self.directory.purge(self.svc.name)
         if self.peer is not None:
             await self.directory.publish_peer(self.peer)
         await self.svc.reopen_disk()
@@ -241,7 +254,7 @@ class PoolActor:
         return await self.svc.reserve(num_blocks, lease_s)
 
     async def commit(
-        self, reservation_id: int, namespace: str, keys: list[TokenKey], payloads: np.ndarray
+        self, reservation_id: int, namespace: Access, keys: list[TokenKey], payloads: np.ndarray
     ) -> list[StoredBlock]:
         await self._start()
         return await self.svc.commit(reservation_id, namespace, keys, payloads)
@@ -250,18 +263,20 @@ class PoolActor:
         self.svc.abort(reservation_id)
 
     async def store(
-        self, namespace: str, keys: list[TokenKey], payloads: np.ndarray
+        self, namespace: Access, keys: list[TokenKey], payloads: np.ndarray
     ) -> list[StoredBlock]:
         await self._start()
         return await self.svc.store(namespace, keys, payloads)
 
     async def contains(
-        self, namespace: str, keys: list[TokenKey], touch: bool = False
+        self, namespace: Access, keys: list[TokenKey], touch: bool = False
     ) -> list[Tier | None]:
         await self._start()
         return self.svc.contains(namespace, keys, touch)
 
-    async def pin(self, namespace: str, keys: list[TokenKey], lease_s: float | None = None) -> Any:
+    async def pin(
+        self, namespace: Access, keys: list[TokenKey], lease_s: float | None = None
+    ) -> Any:
         await self._start()
         return await self.svc.pin(namespace, keys, lease_s)
 
@@ -271,7 +286,7 @@ class PoolActor:
     async def read_pinned(self, pin_id: int) -> np.ndarray:
         return self.svc.read_pinned(pin_id)
 
-    async def read(self, namespace: str, keys: list[TokenKey]) -> list[np.ndarray | None]:
+    async def read(self, namespace: Access, keys: list[TokenKey]) -> list[np.ndarray | None]:
         """Payloads of blocks held here (memory or disk), for callers that consume bytes."""
         await self._start()
         ticket = await self.svc.pin(namespace, keys)
@@ -283,7 +298,7 @@ class PoolActor:
 
     async def attend(
         self,
-        namespace: str,
+        namespace: Access,
         keys: list[TokenKey],
         positions: list[int],
         layer: int,
@@ -308,11 +323,13 @@ class PoolActor:
         return self.svc.status()
 
     async def fetch_from(
-        self, owner_name: str, namespace: str, keys: list[TokenKey], timeout_s: float = 30.0
+        self, owner_name: str, namespace: Access, keys: list[TokenKey], timeout_s: float = 30.0
     ) -> list[str | None]:
         """Pull blocks from ``owner_name`` into this pool; per key ``None`` (installed or
-        already here) or the reason it was not fetched."""
+        already here) or the reason it was not fetched. The caller's access is checked here
+        and again by the owner."""
         await self._start()
+        self.svc.gate.resolve(namespace, write=False)
         if owner_name == self.svc.name:  # a disk replica here: pinning restores it
             ticket = await self.svc.pin(namespace, keys)
             self.svc.unpin(ticket.id)
@@ -327,14 +344,23 @@ class PoolActor:
         return reasons
 
     async def _pull(
-        self, owner_name: str, namespace: str, keys: list[TokenKey], timeout_s: float
+        self, owner_name: str, access: Access, keys: list[TokenKey], timeout_s: float
     ) -> list[str | None]:
+        namespace = self.svc.gate.resolve(access, write=False)
         try:
             owner = ray.get_actor(owner_name, namespace=self.ray_namespace)
-            ticket: PinTicket = await asyncio.wait_for(owner.pin.remote(namespace, keys), timeout_s)
+            ticket: PinTicket = await asyncio.wait_for(owner.pin.remote(access, keys), timeout_s)
         except (*_DEAD, ValueError, TimeoutError) as exc:
             return [f"owner {owner_name} unavailable: {type(exc).__name__}"] * len(keys)
         try:
+            if ticket.namespace != namespace:
+                return [f"owner {owner_name} answered for another namespace"] * len(keys)
+            transport = self.svc.transport
+            if self._incarnations.get(owner_name) != ticket.incarnation:
+                # The owner restarted: its old NIXL agent (same name) is gone.
+                if transport is not None and owner_name in transport.peers:
+                    transport.remove_peers([owner_name])
+                self._incarnations[owner_name] = ticket.incarnation
             peer = await self._peer_of(owner_name, owner)
             if peer is not None:
                 return await self.svc.fetch_pinned(ticket, peer, timeout_s)
@@ -370,8 +396,9 @@ class DirectoryActor:
         ray_namespace: str,
         health_interval_s: float,
         metrics_interval_s: float = 5.0,
+        tenant_secret: bytes | None = None,
     ) -> None:
-        self.shard = DirectoryShard(shard, num_shards)
+        self.shard = DirectoryShard(shard, num_shards, TenantGate(tenant_secret))
         self.metrics = get_metrics()
         self.metrics_interval_s = metrics_interval_s
         self.ray_namespace = ray_namespace
@@ -453,7 +480,7 @@ class DirectoryActor:
         self._start()
         return self.shard.register(entries)
 
-    async def lookup(self, namespace: str, keys: list[TokenKey]) -> list[LookupResult | None]:
+    async def lookup(self, namespace: Access, keys: list[TokenKey]) -> list[LookupResult | None]:
         self._start()
         return self.shard.lookup(namespace, keys)
 
@@ -510,8 +537,15 @@ class TesseraClient:
     """Starts or connects to the tier; every method is batched (one call per shard)."""
 
     def __init__(
-        self, config: TierConfig, layout: ModelLayout, pools: list[str], *, owns_ray: bool = False
+        self,
+        config: TierConfig,
+        layout: ModelLayout,
+        pools: list[str],
+        *,
+        owns_ray: bool = False,
+        tenant_secret: bytes | None = None,
     ) -> None:
+        self._gate = TenantGate(tenant_secret)
         self.config = config
         self.layout = layout
         self.pools = pools
@@ -529,11 +563,17 @@ class TesseraClient:
         address: str | None = None,
         pools_on: Sequence[str] | None = None,
         quiet: bool = False,
+        tenant_secret: bytes | None = None,
     ) -> TesseraClient:
         """Start the tier: directory shards on this node, pools on every alive node (or on the
         node ids in ``pools_on``): one per GPU (``num_gpus=1``, pages in device memory) on GPU
         nodes, ``pools_per_node`` on CPU nodes. Starts an embedded local Ray on 127.0.0.1 when
-        none is connected (``quiet``: keep the actors' log lines off this process's output)."""
+        none is connected (``quiet``: keep the actors' log lines off this process's output).
+
+        ``tenant_secret``: every call must then name its namespace with a credential
+        (:meth:`issue_credential`; see :mod:`~tessera_ray.actors.tenancy`); ``None``: an open
+        tier where a namespace is a plain string."""
+        TenantGate(tenant_secret)  # refuse a weak secret before anything starts
         owns_ray = not ray.is_initialized()
         if owns_ray:
             ray.init(
@@ -560,6 +600,7 @@ class TesseraClient:
                 config.ray_namespace,
                 config.health_interval_s,
                 config.pool.metrics_interval_s,
+                tenant_secret,
             )
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
         nodes = list(pools_on) if pools_on is not None else list(alive)
@@ -584,18 +625,37 @@ class TesseraClient:
                         get_if_exists=True,
                         num_gpus=1 if gpus else 0,
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                    ).remote(name, layout, pool_cfg, config.ray_namespace, config.num_shards)
+                    ).remote(
+                        name,
+                        layout,
+                        pool_cfg,
+                        config.ray_namespace,
+                        config.num_shards,
+                        None,
+                        tenant_secret,
+                    )
                 )
                 names.append(name)
         ray.get([h.ready.remote() for h in handles])
-        return cls(config, layout, names, owns_ray=owns_ray and address is None)
+        return cls(
+            config,
+            layout,
+            names,
+            owns_ray=owns_ray and address is None,
+            tenant_secret=tenant_secret,
+        )
 
     @classmethod
     def connect(
-        cls, ray_namespace: str = "tessera", *, address: str | None = None
+        cls,
+        ray_namespace: str = "tessera",
+        *,
+        address: str | None = None,
+        tenant_secret: bytes | None = None,
     ) -> TesseraClient:
         """Attach to a running tier (started by :meth:`start` or ``tessera-ray start``): the
-        pools and shards are found by name, the layout and settings are asked of a pool."""
+        pools and shards are found by name, the layout and settings are asked of a pool (never
+        the tenant secret: an operator who holds it passes it to issue credentials)."""
         if not ray.is_initialized():
             ray.init(
                 address=address or "auto", namespace=ray_namespace, logging_level=logging.ERROR
@@ -619,7 +679,7 @@ class TesseraClient:
         config = TierConfig(
             model=layout.model, pool=pool_cfg, num_shards=num_shards, ray_namespace=ray_namespace
         )
-        return cls(config, layout, pools)
+        return cls(config, layout, pools, tenant_secret=tenant_secret)
 
     def stop(self) -> None:
         """Kill the tier's actors (the disk tiers stay on disk), and the embedded Ray if
@@ -631,6 +691,12 @@ class TesseraClient:
                 pass
         if self.owns_ray:
             ray.shutdown()
+
+    def issue_credential(self, tenant: str, reads: Sequence[str] = ()) -> Credential:
+        """A credential for ``tenant`` that may also read the namespaces in ``reads``
+        (explicit sharing). Needs the tier's tenant secret (given to :meth:`start` or
+        :meth:`connect`); hand it to the tenant's code, which passes it as the namespace."""
+        return self._gate.issue(tenant, reads)
 
     # ------------------------------------------------------------------ handles
 
@@ -644,13 +710,19 @@ class TesseraClient:
         prefix = f"{POOL_PREFIX}{node_id[:12]}-"
         return next(n for n in self.pools if n.startswith(prefix))
 
+    def local_pool(self) -> str:
+        """A pool on the node this process runs on (reads landing there stay local later), or
+        the first pool when this node has none."""
+        prefix = f"{POOL_PREFIX}{ray.get_runtime_context().get_node_id()[:12]}-"
+        return next((n for n in self.pools if n.startswith(prefix)), self.pools[0])
+
     # ------------------------------------------------------------------ data path
     #
     # Each operation is written once, as a coroutine (``a``-prefixed: use these inside an event
     # loop, e.g. a Ray Serve deployment); the plain method runs it to completion for scripts.
 
     async def astore(
-        self, namespace: str, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
+        self, namespace: Access, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
     ) -> list[StoredBlock]:
         """Two-phase store into ``pool``: reserve, then commit (the pool registers the blocks
         with the directory); a failed commit aborts the reservation."""
@@ -662,11 +734,16 @@ class TesseraClient:
             )
             return stored
         except BaseException:
-            actor.abort.remote(res.id)
+            # Awaited, so a refused store has returned its slots when the error reaches the
+            # caller (the lease would return them anyway, later).
+            try:
+                await asyncio.wait_for(actor.abort.remote(res.id), _CALL_TIMEOUT_S)
+            except (*_DEAD, TimeoutError):
+                pass
             raise
 
     async def alookup(
-        self, namespace: str, token_keys: Sequence[TokenKey]
+        self, namespace: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
         """One call per shard. A shard that is down (restarting) answers with misses."""
         out: list[LookupResult | None] = [None] * len(token_keys)
@@ -695,7 +772,7 @@ class TesseraClient:
         await asyncio.gather(*(purge(s) for s in range(self.config.num_shards)))
 
     async def afetch(
-        self, namespace: str, token_keys: Sequence[TokenKey], *, into: str
+        self, namespace: Access, token_keys: Sequence[TokenKey], *, into: str
     ) -> FetchResult:
         """Make the blocks available in pool ``into``: local hits stay, blocks held elsewhere are
         pulled (memory replicas first, then disk), a dead owner is purged and the next replica
@@ -756,7 +833,7 @@ class TesseraClient:
 
     async def aattend(
         self,
-        namespace: str,
+        namespace: Access,
         token_keys: Sequence[TokenKey],
         layer: int,
         q: Any,
@@ -797,7 +874,7 @@ class TesseraClient:
         return merge_attention_states([o for o, _, _ in partials], [lse for _, lse, _ in partials])
 
     async def aread(
-        self, namespace: str, token_keys: Sequence[TokenKey], *, pool: str
+        self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
     ) -> list[np.ndarray | None]:
         rows: list[np.ndarray | None] = await self.pool(pool).read.remote(
             namespace, list(token_keys)
@@ -809,22 +886,24 @@ class TesseraClient:
         return report
 
     def store(
-        self, namespace: str, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
+        self, namespace: Access, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
     ) -> list[StoredBlock]:
         return _run(self.astore(namespace, token_keys, payloads, pool=pool))
 
-    def lookup(self, namespace: str, token_keys: Sequence[TokenKey]) -> list[LookupResult | None]:
+    def lookup(
+        self, namespace: Access, token_keys: Sequence[TokenKey]
+    ) -> list[LookupResult | None]:
         return _run(self.alookup(namespace, token_keys))
 
     def purge_pool(self, pool: str) -> None:
         _run(self.apurge_pool(pool))
 
-    def fetch(self, namespace: str, token_keys: Sequence[TokenKey], *, into: str) -> FetchResult:
+    def fetch(self, namespace: Access, token_keys: Sequence[TokenKey], *, into: str) -> FetchResult:
         return _run(self.afetch(namespace, token_keys, into=into))
 
     def attend(
         self,
-        namespace: str,
+        namespace: Access,
         token_keys: Sequence[TokenKey],
         layer: int,
         q: Any,
@@ -835,7 +914,7 @@ class TesseraClient:
         return _run(self.aattend(namespace, token_keys, layer, q, seqlen, softmax_scale, causal))
 
     def read(
-        self, namespace: str, token_keys: Sequence[TokenKey], *, pool: str
+        self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
     ) -> list[np.ndarray | None]:
         return _run(self.aread(namespace, token_keys, pool=pool))
 

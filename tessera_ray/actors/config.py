@@ -39,6 +39,11 @@ class PoolServiceConfig:
     """How this pool pulls pages from other pools (``auto``: NIXL, else the object store)."""
     metrics_interval_s: float = 5.0
     """How often the pool (and the directory shards) export their snapshots as metrics."""
+    write_through: bool = False
+    """Also put every stored block on the disk tier before the store is acknowledged (needs
+    ``disk_root``): a pool process that dies then loses nothing it acknowledged, at the cost
+    of a disk write on the store path. Off: memory is a cache, and only the last copy of an
+    evicted block goes to disk."""
 
     def __post_init__(self) -> None:
         _positive("num_blocks", self.num_blocks)
@@ -50,6 +55,8 @@ class PoolServiceConfig:
             raise TierConfigError(f"lease_s {self.lease_s} exceeds max_lease_s {self.max_lease_s}")
         if self.disk_root is not None:
             object.__setattr__(self, "disk_root", Path(self.disk_root))
+        if self.write_through and self.disk_root is None:
+            raise TierConfigError("write_through needs a disk tier: set disk_root")
 
 
 @dataclass(frozen=True, kw_only=True)

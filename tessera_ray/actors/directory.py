@@ -7,7 +7,9 @@ client's lookup costs one round trip per shard; replica changes are broadcast to
 in one batched call each.
 
 Scoping by namespace is the tenant boundary: a lookup names its namespace, and a key registered
-under another namespace is a miss even when the caller knows the key bytes.
+under another namespace is a miss even when the caller knows the key bytes. On a tier with a
+tenant secret the lookup must present a credential for that namespace
+(:mod:`~tessera_ray.actors.tenancy`); registrations come from the pools.
 
 The index is soft state: a restarted shard starts empty (lookups miss, never err) and is
 rebuilt from the pools' inventories (:meth:`DirectoryShard.rebuild_from`).
@@ -20,6 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from tessera_ray.actors.tenancy import Access, TenantGate, check_batch
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import DirectoryError
 
@@ -101,9 +104,10 @@ _Rep = tuple[int, int, int, int]
 class DirectoryShard:
     """Token keys and replicas of one shard. Every method is batched (one call per request)."""
 
-    def __init__(self, shard: int = 0, num_shards: int = 1) -> None:
+    def __init__(self, shard: int = 0, num_shards: int = 1, gate: TenantGate | None = None) -> None:
         if not 0 <= shard < num_shards:
             raise DirectoryError(f"shard {shard} out of range for {num_shards} shards")
+        self.gate = gate or TenantGate()
         self.shard = shard
         self.num_shards = num_shards
         self._ns: dict[str, int] = {}
@@ -156,6 +160,7 @@ class DirectoryShard:
         never redirected); the replica is still recorded under its own block hash.
         All entries are validated before any is applied.
         """
+        check_batch(len(entries), "registrations")
         for e in entries:
             self._check_key(e.token_key)
             if not isinstance(e.namespace, str) or not e.namespace:
@@ -236,13 +241,15 @@ class DirectoryShard:
 
     # ---------------------------------------------------------------- reads
 
-    def lookup(self, namespace: str, token_keys: Sequence[TokenKey]) -> list[LookupResult | None]:
+    def lookup(self, access: Access, token_keys: Sequence[TokenKey]) -> list[LookupResult | None]:
         """For each key: its block and live replicas, or ``None`` (a miss). Keys whose block
-        has no replica left are forgotten on the way."""
-        ns = self._ns.get(namespace)
-        out: list[LookupResult | None] = []
+        has no replica left are forgotten on the way. Every key is checked before any counts."""
+        ns = self._ns.get(self.gate.resolve(access, write=False))
+        check_batch(len(token_keys))
         for key in token_keys:
             self._check_key(key)
+        out: list[LookupResult | None] = []
+        for key in token_keys:
             self._lookups += 1
             result = None if ns is None else self._resolve(ns, key)
             if result is None:

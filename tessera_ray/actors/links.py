@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from tessera_ray.actors.directory import DirectoryShard, LookupResult, Registration, Tier, shard_of
+from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core.results import BlockHash, TokenKey
 
 __all__ = ["DirectoryLink", "LocalDirectory", "group_by_shard"]
@@ -20,7 +21,7 @@ class DirectoryLink(Protocol):
     ) -> None: ...
 
     async def lookup(
-        self, namespace: str, token_keys: Sequence[TokenKey]
+        self, namespace: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]: ...
 
 
@@ -35,8 +36,8 @@ def group_by_shard(token_keys: Sequence[bytes], num_shards: int) -> dict[int, li
 class LocalDirectory:
     """In-process shards behind the :class:`DirectoryLink` protocol."""
 
-    def __init__(self, num_shards: int = 1) -> None:
-        self.shards = [DirectoryShard(i, num_shards) for i in range(num_shards)]
+    def __init__(self, num_shards: int = 1, gate: TenantGate | None = None) -> None:
+        self.shards = [DirectoryShard(i, num_shards, gate) for i in range(num_shards)]
 
     async def register(self, entries: Sequence[Registration]) -> None:
         for shard, idx in group_by_shard([e.token_key for e in entries], len(self.shards)).items():
@@ -49,7 +50,7 @@ class LocalDirectory:
             shard.drop_replicas(pool, blocks, tier)
 
     async def lookup(
-        self, namespace: str, token_keys: Sequence[TokenKey]
+        self, namespace: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
         out: list[LookupResult | None] = [None] * len(token_keys)
         for shard, idx in group_by_shard(token_keys, len(self.shards)).items():

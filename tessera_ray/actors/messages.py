@@ -76,6 +76,9 @@ class PinTicket:
     namespace: str
     blocks: tuple[PinnedBlock | None, ...]
     expires_at_s: float
+    incarnation: int = 0
+    """The owner process's random start id: a reader that cached the owner's transport data
+    re-adds it when this changes (a restarted pool has a new NIXL agent under the same name)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ before changing anything.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 import warnings
 from collections import OrderedDict
@@ -45,6 +46,7 @@ from tessera_ray.actors.messages import (
     StoredBlock,
 )
 from tessera_ray.actors.pool_transfer import TransferMixin
+from tessera_ray.actors.tenancy import Access, TenantGate, check_batch
 from tessera_ray.core import (
     BlockPool,
     ContentHashFn,
@@ -83,6 +85,7 @@ class PoolService(TransferMixin):
         node: str = "local",
         clock: Callable[[], float] = time.time,
         content_hash: ContentHashFn = xxh3_128,
+        gate: TenantGate | None = None,
     ) -> None:
         if not layout.groups:
             raise PageShapeError(f"layout {layout.model!r} has no paged layer group to pool")
@@ -92,6 +95,10 @@ class PoolService(TransferMixin):
         self.config = config
         self.directory = directory
         self.clock = clock
+        self.incarnation = secrets.randbits(62) + 1
+        """Random per process start; travels on pin tickets (see :class:`PinTicket`)."""
+        self.gate = gate or TenantGate()
+        """Checks the namespace every call names (see :mod:`~tessera_ray.actors.tenancy`)."""
         self.pools = [
             BlockPool.for_group(
                 layout,
@@ -116,12 +123,20 @@ class PoolService(TransferMixin):
         self._on_disk: dict[_Key, BlockHash] = {}
         self._reservations: dict[int, _Lease] = {}
         self._pins: dict[int, _Lease] = {}
-        self._ids = itertools.count(1)
         self._seeds: dict[str, int] = {}
         self.spills = self.restores = self.lost = self.transfers_in = self.bytes_in = 0
         self.transport: Transport | None = None
 
     # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _new_id(*tables: dict[int, _Lease]) -> int:
+        # Reservation and pin ids are capabilities (whoever holds one may commit or read it),
+        # so they are unguessable rather than sequential.
+        while True:
+            lease_id = secrets.randbits(62) + 1
+            if all(lease_id not in t for t in tables):
+                return lease_id
 
     def _seed(self, namespace: str) -> int:
         seed = self._seeds.get(namespace)
@@ -137,6 +152,7 @@ class PoolService(TransferMixin):
 
     @staticmethod
     def _check_keys(namespace: str, token_keys: Sequence[bytes]) -> None:
+        check_batch(len(token_keys))
         if not isinstance(namespace, str) or not namespace:
             raise PageShapeError(f"namespace must be a non-empty str, got {namespace!r}")
         for key in token_keys:
@@ -183,7 +199,11 @@ class PoolService(TransferMixin):
             for pool in self.pools:
                 pool.evict_unnamed(short * pool.layers_per_block)
             if num_blocks > self._free_blocks():
-                await self.evict(num_blocks - self._free_blocks())
+                # Evict ahead, a sixteenth of the pool at a time: each eviction that spills
+                # writes one disk segment with one fsync, so freeing one block per store under
+                # steady pressure would pay an fsync per store.
+                ahead = max(num_blocks - self._free_blocks(), self.config.num_blocks // 16)
+                await self.evict(ahead)
         if self._free_blocks() < num_blocks:
             raise PoolExhaustedError(
                 f"pool {self.name!r}: {num_blocks} blocks wanted, {self._free_blocks()} free "
@@ -193,7 +213,7 @@ class PoolService(TransferMixin):
             [pool.allocate_many(pool.layers_per_block) for pool in self.pools]
             for _ in range(num_blocks)
         ]
-        rid = next(self._ids)
+        rid = self._new_id(self._reservations, self._pins)
         self._reservations[rid] = _Lease(handles, self.clock() + lease)
         return Reservation(rid, self.name, num_blocks, self._reservations[rid].expires_at_s)
 
@@ -227,11 +247,22 @@ class PoolService(TransferMixin):
     async def commit(
         self,
         reservation_id: int,
+        access: Access,
+        token_keys: Sequence[TokenKey],
+        payloads: np.ndarray | torch.Tensor,
+    ) -> list[StoredBlock]:
+        """Write, seal and register the reserved blocks under the caller's own namespace;
+        unused reserved slots are returned."""
+        namespace = self.gate.resolve(access, write=True)
+        return await self._commit(reservation_id, namespace, token_keys, payloads)
+
+    async def _commit(
+        self,
+        reservation_id: int,
         namespace: str,
         token_keys: Sequence[TokenKey],
         payloads: np.ndarray | torch.Tensor,
     ) -> list[StoredBlock]:
-        """Write, seal and register the reserved blocks; unused reserved slots are returned."""
         self.reap()
         lease = self._reservations.get(reservation_id)
         if lease is None:
@@ -254,7 +285,33 @@ class PoolService(TransferMixin):
             for pool, handles in zip(self.pools, per_group, strict=True):
                 pool.release_many(handles)
         await self._announce(namespace, stored, Tier.MEMORY)
+        if self.config.write_through and self.disk is not None:
+            await self._write_through(namespace, stored, rows)
         return stored
+
+    async def _write_through(
+        self, namespace: str, stored: Sequence[StoredBlock], rows: torch.Tensor
+    ) -> None:
+        """Put every newly named block on disk before the store is acknowledged: a pool that
+        dies then loses no stored block (its restart reopens the disk tier)."""
+        assert self.disk is not None
+        items = [
+            (s.token_key, s.block_hash, rows[i].numpy().tobytes())
+            for i, s in enumerate(stored)
+            if s.registered and (namespace, s.token_key) not in self._on_disk
+        ]
+        if not items:
+            return
+        await self.disk.put(namespace, items)
+        for key, bh, _ in items:
+            self._on_disk[(namespace, key)] = bh
+        if self.directory is not None:
+            await self.directory.register(
+                [
+                    Registration(namespace, key, bh, Replica(self.name, Tier.DISK, 0, 0))
+                    for key, bh, _ in items
+                ]
+            )
 
     def _seal(
         self, namespace: str, key: TokenKey, per_group: list[list[PageHandle]], row: torch.Tensor
@@ -298,20 +355,22 @@ class PoolService(TransferMixin):
             await self.directory.register(entries)
 
     async def store(
-        self, namespace: str, token_keys: Sequence[TokenKey], payloads: np.ndarray | torch.Tensor
+        self, access: Access, token_keys: Sequence[TokenKey], payloads: np.ndarray | torch.Tensor
     ) -> list[StoredBlock]:
         """Reserve and commit in one call (for callers already holding the bytes)."""
+        namespace = self.gate.resolve(access, write=True)
         self._check_keys(namespace, token_keys)
         self._payload_rows(payloads, len(token_keys))
         res = await self.reserve(len(token_keys))
-        return await self.commit(res.id, namespace, token_keys, payloads)
+        return await self._commit(res.id, namespace, token_keys, payloads)
 
     # ------------------------------------------------------------------ read
 
     def contains(
-        self, namespace: str, token_keys: Sequence[TokenKey], touch: bool = False
+        self, access: Access, token_keys: Sequence[TokenKey], touch: bool = False
     ) -> list[Tier | None]:
         """Where this pool holds each block: memory, disk, or nowhere."""
+        namespace = self.gate.resolve(access, write=False)
         self._check_keys(namespace, token_keys)
         out: list[Tier | None] = []
         for key in token_keys:
@@ -327,30 +386,39 @@ class PoolService(TransferMixin):
         return out
 
     async def pin(
-        self, namespace: str, token_keys: Sequence[TokenKey], lease_s: float | None = None
+        self, access: Access, token_keys: Sequence[TokenKey], lease_s: float | None = None
     ) -> PinTicket:
         """Hold the blocks in memory for a reader (restoring disk-only ones first)."""
         self.reap()
+        namespace = self.gate.resolve(access, write=False)
         self._check_keys(namespace, token_keys)
         lease = self._lease_s(lease_s)
-        await self._restore(
-            namespace, [k for k in token_keys if not self.pools[0].contains(namespace, k)]
-        )
+        # References first, on every block already in memory: restoring the others reserves
+        # slots, which may evict, and must not evict a block this very pin is about to take.
+        taken: dict[int, list[list[PageHandle]]] = {}
+        for i, key in enumerate(token_keys):
+            handles = self._reference(namespace, key)
+            if handles is not None:
+                taken[i] = handles
+        try:
+            await self._restore(namespace, [k for i, k in enumerate(token_keys) if i not in taken])
+        except PoolExhaustedError:
+            pass  # no room to restore beside what is held: those blocks are misses, not errors
+        except BaseException:
+            for handles in taken.values():
+                self._release(_Lease([handles], 0.0))
+            raise
         held: list[list[list[PageHandle]]] = []
         blocks: list[PinnedBlock | None] = []
         vanished: list[tuple[str, BlockHash]] = []
-        for key in token_keys:
-            per_group = [pool.lookup(namespace, key) for pool in self.pools]
-            if any(h is None for h in per_group):
-                for pool, h in zip(self.pools, per_group, strict=True):
-                    if h is not None:
-                        pool.release_many(list(h))
+        for i, key in enumerate(token_keys):
+            handles = taken.get(i) or self._reference(namespace, key)
+            if handles is None:
                 bh = self._resident.pop((namespace, key), None)
                 if bh is not None:  # dropped with a deduplicated page of another block
                     vanished.append((namespace, bh))
                 blocks.append(None)
                 continue
-            handles = [list(h) for h in per_group if h is not None]
             held.append(handles)
             self._resident.move_to_end((namespace, key))
             blocks.append(
@@ -366,9 +434,27 @@ class PoolService(TransferMixin):
             )
         if vanished and self.directory is not None:
             await self.directory.drop(self.name, vanished, Tier.MEMORY)
-        pid = next(self._ids)
+        pid = self._new_id(self._reservations, self._pins)
         self._pins[pid] = _Lease(held, self.clock() + lease, namespace)
-        return PinTicket(pid, self.name, namespace, tuple(blocks), self._pins[pid].expires_at_s)
+        return PinTicket(
+            pid,
+            self.name,
+            namespace,
+            tuple(blocks),
+            self._pins[pid].expires_at_s,
+            self.incarnation,
+        )
+
+    def _reference(self, namespace: str, key: TokenKey) -> list[list[PageHandle]] | None:
+        """References on every page of the block (all layer groups), or ``None`` and no
+        reference when any group lacks it."""
+        per_group = [pool.lookup(namespace, key) for pool in self.pools]
+        if any(h is None for h in per_group):
+            for pool, h in zip(self.pools, per_group, strict=True):
+                if h is not None:
+                    pool.release_many(list(h))
+            return None
+        return [list(h) for h in per_group if h is not None]
 
     def unpin(self, pin_id: int) -> bool:
         lease = self._pins.pop(pin_id, None)
@@ -396,26 +482,40 @@ class PoolService(TransferMixin):
     # ------------------------------------------------------------------ eviction and disk
 
     async def evict(self, num_blocks: int) -> EvictionReport:
-        """Evict up to ``num_blocks`` unreferenced blocks: replicated ones first (dropped), then
-        least recently used ones, whose last copy goes to disk."""
+        """Evict up to ``num_blocks`` unreferenced blocks, least recently used first, preferring
+        blocks another pool also holds. A block leaves memory without a disk write only when a
+        durable copy exists (on this pool's disk tier, or a disk replica elsewhere); otherwise
+        it is spilled to this pool's disk tier.
+
+        Why a copy in another pool's *memory* is not enough: that pool may be evicting its copy
+        at the same moment, trusting this one (the directory cannot say who goes first), and
+        the block would vanish from both. The load test found exactly that. Without a disk tier
+        such blocks are dropped (and the loss is the cache's, as for any last copy).
+        """
         # Only the least recently used few are considered (and asked about in one directory
         # call per namespace), not the whole pool: eviction cost stays bounded by the request.
         candidates = list(itertools.islice(self._resident, max(4 * num_blocks, 64)))
         replicated: set[_Key] = set()
+        durable: set[_Key] = {k for k in candidates if k in self._on_disk}
         if self.directory is not None and candidates:
             by_ns: dict[str, list[_Key]] = {}
             for k in candidates:
                 by_ns.setdefault(k[0], []).append(k)
             for ns, keys in by_ns.items():
-                results = await self.directory.lookup(ns, [TokenKey(k[1]) for k in keys])
+                results = await self.directory.lookup(
+                    self.gate.for_pool(ns), [TokenKey(k[1]) for k in keys]
+                )
                 for k, r in zip(keys, results, strict=True):
-                    if r is not None and any(
-                        rep.pool != self.name and rep.tier == Tier.MEMORY for rep in r.replicas
-                    ):
+                    others = [rep for rep in (r.replicas if r else ()) if rep.pool != self.name]
+                    if any(rep.tier == Tier.MEMORY for rep in others):
                         replicated.add(k)
-        order = [k for k in candidates if k in replicated] + [
-            k for k in candidates if k not in replicated
-        ]
+                    if any(rep.tier == Tier.DISK for rep in others):
+                        durable.add(k)
+        if self.disk is None:
+            durable |= replicated  # nowhere to spill: another pool's copy is the best there is
+        # Cheapest to lose first: durable elsewhere (no write), then held in another pool's
+        # memory (still served from there), then the rest; least recently used within each.
+        order = sorted(candidates, key=lambda k: (k not in durable, k not in replicated))
         dropped: list[BlockRef] = []
         spill: dict[str, list[tuple[TokenKey, BlockHash, bytes]]] = {}
         for ns, key in order:
@@ -425,7 +525,7 @@ class PoolService(TransferMixin):
             if payload is None:
                 continue
             bh = self._resident.pop((ns, key))
-            if (ns, key) in replicated or (ns, key) in self._on_disk:
+            if (ns, key) in durable:
                 dropped.append(BlockRef(ns, TokenKey(key), bh))
             else:
                 spill.setdefault(ns, []).append((TokenKey(key), bh, payload))
@@ -443,9 +543,8 @@ class PoolService(TransferMixin):
         self.spills += len(spilled)
         self.lost += len(lost)
         if self.directory is not None:
-            gone = [(r.namespace, r.block_hash) for r in (*dropped, *spilled, *lost)]
-            if gone:
-                await self.directory.drop(self.name, gone, Tier.MEMORY)
+            # The disk replicas are announced before the memory ones are withdrawn, so a
+            # lookup in between finds the block somewhere (a key with no replica is forgotten).
             for ns in {r.namespace for r in spilled}:
                 await self.directory.register(
                     [
@@ -456,6 +555,9 @@ class PoolService(TransferMixin):
                         if r.namespace == ns
                     ]
                 )
+            gone = [(r.namespace, r.block_hash) for r in (*dropped, *spilled, *lost)]
+            if gone:
+                await self.directory.drop(self.name, gone, Tier.MEMORY)
         return EvictionReport(tuple(dropped), tuple(spilled), tuple(lost))
 
     def _evict_block(self, namespace: str, key: TokenKey) -> bytes | None:
@@ -497,7 +599,7 @@ class PoolService(TransferMixin):
             return
         rows = np.stack([np.frombuffer(f[1], dtype=np.uint8) for f in found if f is not None])
         res = await self.reserve(len(keys))
-        await self.commit(res.id, namespace, keys, rows)
+        await self._commit(res.id, namespace, keys, rows)
         self.restores += len(keys)
 
     async def reopen_disk(self) -> int:

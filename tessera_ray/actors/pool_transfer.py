@@ -19,6 +19,7 @@ import torch
 from tessera_ray.actors._leases import Lease
 from tessera_ray.actors.directory import Tier
 from tessera_ray.actors.messages import InstallResult, PinnedBlock, PinTicket, StoredBlock
+from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core import BlockPool, PageHandle, xxh3_128
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import PageShapeError
@@ -45,6 +46,7 @@ class TransferMixin:
     bytes_in: int
     _resident: OrderedDict[tuple[str, bytes], BlockHash]
     _reservations: dict[int, Lease]
+    gate: TenantGate
 
     if TYPE_CHECKING:
 
@@ -57,7 +59,7 @@ class TransferMixin:
 
         async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Reservation: ...
 
-        async def commit(
+        async def _commit(
             self,
             reservation_id: int,
             namespace: str,
@@ -91,7 +93,7 @@ class TransferMixin:
         installed: list[StoredBlock | None] = [None] * len(blocks)
         if good:
             res = await self.reserve(len(good))
-            stored = await self.commit(
+            stored = await self._commit(
                 res.id, namespace, [blocks[i].token_key for i in good], rows[good]
             )
             for i, s in zip(good, stored, strict=True):
@@ -208,7 +210,7 @@ class TransferMixin:
 
     def attend(
         self,
-        namespace: str,
+        access: Access,
         token_keys: Sequence[TokenKey],
         positions: Sequence[int],
         layer: int,
@@ -228,6 +230,7 @@ class TransferMixin:
         """
         from tessera_ray.kernels import mla_decode
 
+        namespace = self.gate.resolve(access, write=False)
         self._check_keys(namespace, token_keys)
         group = next((g for g, grp in enumerate(self.layout.groups) if layer in grp.layers), None)
         if group is None:

@@ -42,7 +42,6 @@ import xxhash
 
 from tessera_ray.errors import (
     CorruptPageError,
-    InvalidKeyError,
     LayoutMismatchError,
     PageNotFoundError,
     StorageError,
@@ -62,7 +61,6 @@ from tessera_ray.storage.tier import Tier, TierCapabilities
 __all__ = ["DiskTier", "DiskTierStats"]
 
 _T = TypeVar("_T")
-_IOV_MAX = 512
 _Item = tuple[bytes, memoryview]
 
 
@@ -128,7 +126,11 @@ class DiskTier(Tier):
         self._root = cfg.root
         self._seg_dir = cfg.root / F.SEGMENTS
         self._fp16 = F.fingerprint_bytes(cfg.fingerprint)
-        self._hasher = hasher or content_hasher(cfg.namespace, cfg.fingerprint)
+        # The root's own content hash feeds every record checksum (see _format); a custom
+        # hasher only names pages.
+        self._hashing = _io.Hashing(
+            digest=content_hasher(cfg.namespace, cfg.fingerprint), key_of=hasher
+        )
         self._index: dict[bytes, _Entry] = {}
         self._segments: OrderedDict[str, _Segment] = OrderedDict()  # oldest use first
         self._used = 0
@@ -293,16 +295,8 @@ class DiskTier(Tier):
 
     # --- writes -----------------------------------------------------------------------------
 
-    def _verify_keys(self, items: list[tuple[bytes, memoryview]]) -> None:
-        for key, view in items:
-            if self._hasher(view) != key:
-                raise InvalidKeyError(
-                    f"payload of {view.nbytes} B does not hash to its key {key.hex()}; "
-                    "hash the page with the tier's (namespace, fingerprint)"
-                )
-
-    def _write_segment(self, name: str, items: list[_Item]) -> int:
-        return _io.write_segment(self._seg_dir, name, self._fp16, items)
+    def _write_segment(self, name: str, items: list[_Item], digests: list[bytes]) -> int:
+        return _io.write_segment(self._seg_dir, name, self._fp16, items, digests)
 
     def _segment_name(self, keys: list[bytes]) -> str:
         # Named by a hash of its content hashes (plus time and pid, so that rewriting the same
@@ -315,6 +309,7 @@ class DiskTier(Tier):
             salt += b"\0"
 
     def _chunks(self, fresh: list[_Item]) -> list[list[_Item]]:
+        """``fresh`` cut into runs that each fit one segment (order kept)."""
         chunks: list[list[_Item]] = [[]]
         size = 0
         for key, view in fresh:
@@ -344,8 +339,13 @@ class DiskTier(Tier):
                 fresh.append((key, view))
         if not fresh:
             return
-        await self._run(self._verify_keys, fresh)
+        # One pass over each payload: checks its key and gives the digest its record checksum
+        # needs, before anything is evicted or written.
+        all_digests = await self._run(_io.digest_batch, fresh, self._hashing)
+        done = 0
         for chunk in self._chunks(fresh):
+            digests = all_digests[done : done + len(chunk)]
+            done += len(chunk)
             size = sum(HEADER_BYTES + v.nbytes for _, v in chunk)
             gone = self._evict_for(size)
             self._used += size  # reserved before the write so concurrent puts respect capacity
@@ -353,7 +353,7 @@ class DiskTier(Tier):
             try:
                 if gone:
                     await self._run(self._unlink_segments, gone)
-                await self._run(self._write_segment, name, chunk)
+                await self._run(self._write_segment, name, chunk, digests)
             except OSError as exc:
                 self._used -= size
                 if isinstance(exc, StorageError):
@@ -393,7 +393,7 @@ class DiskTier(Tier):
             plan,
             views,
             self._fp16,
-            self._hasher,
+            self._hashing,
             self._quarantine,
         )
         out: list[bytes | int | _io.Corrupt | None] = [None] * len(raws)

@@ -15,7 +15,7 @@ from tessera_ray.errors import StorageError
 from tessera_ray.storage import _files as F
 from tessera_ray.storage._format import HEADER_BYTES, ScanItem, record_check, scan_segment
 from tessera_ray.storage._progress import Progress
-from tessera_ray.storage.keys import content_hasher
+from tessera_ray.storage.keys import ContentHasher, content_hasher
 
 __all__ = ["FsckProblem", "FsckReport", "fsck"]
 
@@ -65,7 +65,9 @@ class FsckReport:
         return "\n".join(lines)
 
 
-def _check_record(fd: int, item: ScanItem, fp16: bytes, hasher: object) -> str | None:
+def _check_record(
+    fd: int, item: ScanItem, fp16: bytes, digest: ContentHasher, key_is_digest: bool
+) -> str | None:
     h = item.header
     if item.problem is not None or h is None:
         return item.problem or "unreadable header"
@@ -73,9 +75,10 @@ def _check_record(fd: int, item: ScanItem, fp16: bytes, hasher: object) -> str |
         return "layout fingerprint mismatch"
     head = os.pread(fd, HEADER_BYTES, item.offset)
     payload = memoryview(os.pread(fd, h.payload_len, item.offset + HEADER_BYTES))
-    if record_check(head[:64], payload) != h.record_check:
+    d = digest(payload)
+    if record_check(head[:64], d) != h.record_check:
         return "record checksum mismatch"
-    if callable(hasher) and hasher(payload) != h.key:
+    if key_is_digest and d != h.key:
         return "content hash mismatch"
     return None
 
@@ -98,9 +101,11 @@ def fsck(root: str | Path, *, repair: bool = False, progress: bool | None = None
 
 def _fsck(root: Path, meta: F.RootMeta, *, repair: bool, progress: bool | None) -> FsckReport:
     report = FsckReport(root=str(root), repaired=repair)
-    hasher = content_hasher(meta.namespace, meta.fingerprint)
-    if meta.hasher != F.DEFAULT_HASHER:
-        hasher, report.content_hash_checked = None, False  # type: ignore[assignment]
+    # The record checksum covers the payload through the root's default content hash, so
+    # payloads are checked even where pages are named by a custom key function.
+    digest = content_hasher(meta.namespace, meta.fingerprint)
+    key_is_digest = meta.hasher == F.DEFAULT_HASHER
+    report.content_hash_checked = key_is_digest
     fp16 = F.fingerprint_bytes(meta.fingerprint)
     seg_dir = root / F.SEGMENTS
     for name in sorted(os.listdir(root)):
@@ -140,7 +145,7 @@ def _fsck(root: Path, meta: F.RootMeta, *, repair: bool, progress: bool | None) 
             for item in scan_segment(fd, size):
                 if item.dead:
                     continue
-                reason = _check_record(fd, item, fp16, hasher)
+                reason = _check_record(fd, item, fp16, digest, key_is_digest)
                 if reason is None:
                     report.records_ok += 1
                 else:

@@ -33,6 +33,11 @@ class TransportConfig:
     """A verified fetch over a transport whose reads overlap the caller (NIXL) is split into
     reads of about this many bytes, so verifying and sealing one overlaps reading the next
     (each is still one request over many slots). 0 reads everything in one request."""
+    nixl_progress_delay_us: int = 200
+    """Pause of the NIXL progress thread between two progress calls. NIXL's Python API starts
+    it at 0, which spins one core per agent even when idle: on a 2-core node with three pools
+    that starves everything else. 200 us adds at most that to a transfer's completion (an
+    actor round trip is 1-5 ms here); 0 restores the spinning thread."""
     poll_max_sleep_s: float = 0.0005
     """Longest pause between two completion checks of a NIXL transfer. NIXL's Python API has no
     blocking wait, so :meth:`Transport.wait` spins briefly and then backs off up to this."""
@@ -59,6 +64,15 @@ class TransportConfig:
         if self.fetch_chunk_bytes < 0:
             raise TransportConfigError(
                 f"fetch_chunk_bytes must be >= 0, got {self.fetch_chunk_bytes}"
+            )
+        if (
+            isinstance(self.nixl_progress_delay_us, bool)
+            or not isinstance(self.nixl_progress_delay_us, int)
+            or not 0 <= self.nixl_progress_delay_us <= 1_000_000
+        ):
+            raise TransportConfigError(
+                f"nixl_progress_delay_us must be an int in [0, 1000000], "
+                f"got {self.nixl_progress_delay_us!r}"
             )
         if self.nixl_num_threads < 0:
             raise TransportConfigError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -78,6 +79,39 @@ def import_nixl() -> tuple[Any, Any]:
     return nixl_agent, nixl_agent_config
 
 
+_AGENT_LOCK = threading.Lock()
+
+
+def _new_agent(nixl_agent: Any, name: str, conf: Any, progress_delay_us: int) -> Any:
+    """A NIXL agent whose progress thread pauses ``progress_delay_us`` between polls.
+
+    NIXL's Python wrapper builds the native agent config itself and sets the progress-thread
+    delay to 0 (a spinning thread, one core per agent). The native config has the field, so
+    the wrapper's handle on the bindings is swapped, only while the agent is built, for one
+    that sets the delay first; everything else passes through untouched.
+    """
+    api: Any = sys.modules[nixl_agent.__module__]
+    real: Any = getattr(api, "nixlBind", None)
+    if real is None or progress_delay_us == 0:
+        return nixl_agent(name, conf)
+
+    class _Bindings:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, agent_config: Any) -> Any:
+            agent_config.pthrDelay = progress_delay_us
+            return real.nixlAgent(agent_name, agent_config)
+
+    with _AGENT_LOCK:
+        api.nixlBind = _Bindings()
+        try:
+            return nixl_agent(name, conf)
+        finally:
+            api.nixlBind = real
+
+
 def _mem(pool_device: str) -> tuple[str, int]:
     if pool_device.startswith("cuda"):
         _, _, idx = pool_device.partition(":")
@@ -113,16 +147,17 @@ class NixlTransport(Transport):
         super().__init__(config, name=name)
         nixl_agent, nixl_agent_config = import_nixl()
         try:
-            self._agent = nixl_agent(
+            self._agent = _new_agent(
+                nixl_agent,
                 name,
                 nixl_agent_config(
                     # Required: without it a cross-process READ here never completes (the
-                    # state check does not drive progress). Its cost: NIXL's Python API fixes
-                    # the thread's poll delay at 0, so it spins ~one core per agent even idle.
+                    # state check does not drive progress).
                     enable_prog_thread=True,
                     backends=list(config.nixl_backends),
                     num_threads=config.nixl_num_threads,
                 ),
+                config.nixl_progress_delay_us,
             )
         except Exception as e:
             raise TransportUnavailableError(f"NIXL agent {name!r} did not start: {e}") from e

@@ -155,22 +155,29 @@ def test_dedup_sixteen_agents_one_copy() -> None:
     assert s.dedup_hits == 15 * 4 * LAYOUT.num_layers
 
 
-def test_eviction_drops_replicated_blocks_first_and_spills_last_copies(tmp_path: Path) -> None:
+def test_eviction_drops_durably_replicated_blocks_first_and_spills_last_copies(
+    tmp_path: Path,
+) -> None:
     d = LocalDirectory(2)
     a = make("a", num_blocks=4, directory=d, disk=tmp_path / "a")
-    b = make("b", num_blocks=4, directory=d)
+    b = make("b", num_blocks=4, directory=d, disk=tmp_path / "b")
     ks = keys(4)
     data = payloads(4, 5, a.block_bytes)
     run(a.store(NS, ks, data))
-    run(b.store(NS, ks[2:], data[2:]))  # blocks 2 and 3 have a replica on b
+    run(b.store(NS, ks[1:], data[1:]))  # blocks 1-3 have a replica in b's memory
+    run(b.evict(1))  # b's oldest (block 1) now has a durable copy: on b's disk
     report = run(a.evict(3))
-    assert {r.token_key for r in report.dropped} == set(ks[2:])
-    assert [r.token_key for r in report.spilled] == [ks[0]]  # oldest last copy goes to disk
+    # Block 1 (durable elsewhere) is dropped; blocks 2 and 3 are preferred (another pool holds
+    # them) but only in memory there, so they are spilled, never just dropped.
+    assert {r.token_key for r in report.dropped} == {ks[1]}
+    assert {r.token_key for r in report.spilled} == set(ks[2:])
     assert report.lost == ()
-    assert a.contains(NS, ks) == [Tier.DISK, Tier.MEMORY, None, None]
+    assert a.contains(NS, ks) == [Tier.MEMORY, None, Tier.DISK, Tier.DISK]
     found = run(d.lookup(NS, ks))
-    assert [(r.pool, r.tier) for r in found[0].replicas] == [("a", Tier.DISK)]
-    assert {r.pool for r in found[2].replicas} == {"b"}
+    assert {(r.pool, r.tier) for r in found[1].replicas} == {("b", Tier.DISK)}
+    assert {(r.pool, r.tier) for r in found[2].replicas} == {("a", Tier.DISK), ("b", Tier.MEMORY)}
+    run(a.evict(1))
+    assert [(r.pool, r.tier) for r in run(d.lookup(NS, ks[:1]))[0].replicas] == [("a", Tier.DISK)]
     # A pin brings the disk copy back, byte-exact.
     ticket = run(a.pin(NS, ks[:1]))
     assert np.array_equal(a.read_pinned(ticket.id), data[:1])

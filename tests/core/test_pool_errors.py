@@ -28,6 +28,12 @@ from tests.core.conftest import FINGERPRINT, make_pool, page_of, tiny_spec
 
 @pytest.fixture
 def setup() -> tuple[BlockPool, dict[str, object]]:
+    return pool_with_handles()
+
+
+def pool_with_handles() -> tuple[BlockPool, dict[str, object]]:
+    """A pool holding one page in each state, and a handle to each (also used by the chaos
+    suite's hostile-input campaign)."""
     pool = make_pool(4, layers_per_block=1)
     w = pool.allocate()
     s = pool.seal(pool.write(pool.allocate(), page_of(1)), "t").handle

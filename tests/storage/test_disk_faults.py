@@ -117,7 +117,7 @@ def test_wrong_layout_fingerprint(tmp_path: Path) -> None:
     root = tmp_path / "t"
     items = _fill(root)
     key, data = items[4]
-    forged = pack_header(fingerprint_bytes("another-layout"), key, memoryview(data))
+    forged = pack_header(fingerprint_bytes("another-layout"), key, len(data), key)
 
     def fault(seg: Path) -> None:
         with open(seg, "r+b") as f:
@@ -130,7 +130,8 @@ def test_wrong_layout_fingerprint(tmp_path: Path) -> None:
 def test_wrong_fingerprint_found_at_restart(tmp_path: Path) -> None:
     root = tmp_path / "t"
     items = _fill(root)
-    forged = pack_header(fingerprint_bytes("another-layout"), items[0][0], memoryview(items[0][1]))
+    key, data = items[0]
+    forged = pack_header(fingerprint_bytes("another-layout"), key, len(data), key)
     with open(segments(root)[0], "r+b") as f:
         f.write(forged)
     assert [p.reason for p in fsck(root).problems] == ["layout fingerprint mismatch"]
@@ -225,7 +226,9 @@ class _FullDiskTier(DiskTier):
 
     room = 10_000
 
-    def _write_segment(self, name: str, items: list[tuple[bytes, memoryview]]) -> int:
+    def _write_segment(
+        self, name: str, items: list[tuple[bytes, memoryview]], digests: list[bytes]
+    ) -> int:
         need = sum(HEADER_BYTES + v.nbytes for _, v in items)
         if need > self.room:
             partial = self._seg_dir / (name + ".partial")
@@ -233,7 +236,7 @@ class _FullDiskTier(DiskTier):
             partial.unlink()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.room -= need
-        return super()._write_segment(name, items)
+        return super()._write_segment(name, items, digests)
 
 
 def _check_enospc(tier: DiskTier, stored: list[tuple[bytes, bytes]]) -> None:

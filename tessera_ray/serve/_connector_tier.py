@@ -1,0 +1,237 @@
+"""How the vLLM connector talks to the tier: one small batched interface, two backends.
+
+- :class:`RayTier`: the running tier on a Ray cluster, through :class:`TesseraClient` (lookup in
+  the sharded directory; reads pull blocks into this node's pool first, then read them there).
+- :class:`LocalTier`: the core engine in this process (a :class:`PoolService` over
+  :class:`BlockPool` s and an in-process :class:`DirectoryShard`), no Ray. vLLM's scheduler and
+  a ``uni`` executor's worker live in one process, so their connectors share one instance
+  (:func:`shared_local_tier`).
+
+Every call takes and returns lists (one round trip per request batch, STYLE.md rule 6). Both
+backends run their coroutines on one private event-loop thread per process, because vLLM calls
+the connector from plain threads that may or may not already run a loop of their own; the one
+thread also serialises every use of a shared :class:`LocalTier`.
+
+:func:`payload_block_hash` recomputes a block's hash from its bytes exactly as the pool sealed
+it, so the connector verifies what it read against what the lookup promised before any byte
+reaches vLLM's cache.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tessera_ray.actors.config import PoolServiceConfig
+from tessera_ray.actors.links import LocalDirectory
+from tessera_ray.actors.pool_service import PoolService
+from tessera_ray.core import block_hash, content_seed, xxh3_128
+from tessera_ray.core.results import BlockHash, ContentHash, TokenKey
+from tessera_ray.errors import TierConfigError
+from tessera_ray.layout import ModelLayout
+from tessera_ray.serve._connector_config import TesseraConnectorConfig
+
+__all__ = [
+    "TierBackend",
+    "LocalTier",
+    "RayTier",
+    "open_tier",
+    "shared_local_tier",
+    "payload_block_hash",
+    "run_on_loop",
+]
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class _LoopThread:
+    """One daemon thread running an event loop, started on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(
+                    target=loop.run_forever, name="tessera-connector-loop", daemon=True
+                )
+                thread.start()
+                self._loop = loop
+            return self._loop
+
+
+_LOOP = _LoopThread()
+
+
+def run_on_loop(coro: Coroutine[Any, Any, _T], timeout_s: float) -> _T:
+    """Run ``coro`` on the connector's loop thread and wait for it (at most ``timeout_s``)."""
+    future = asyncio.run_coroutine_threadsafe(coro, _LOOP.loop())
+    try:
+        return future.result(timeout_s)
+    except TimeoutError:
+        future.cancel()
+        raise
+
+
+def payload_block_hash(layout: ModelLayout, namespace: str, row: np.ndarray) -> BlockHash:
+    """The block hash a pool gives ``row`` (one block's payload) when it seals it under
+    ``namespace``: per layer group, the digest of its pages' seeded content hashes; across
+    groups, the digest of the group digests (as :class:`PoolService` combines them)."""
+    seed = content_seed(namespace, layout.fingerprint)
+    data = np.ascontiguousarray(row, dtype=np.uint8).reshape(-1).data
+    group_hashes: list[ContentHash] = []
+    offset = 0
+    for group in layout.groups:
+        pb = group.page.page_bytes
+        pages = [
+            ContentHash(xxh3_128(data[offset + i * pb : offset + (i + 1) * pb], seed))
+            for i in range(len(group.layers))
+        ]
+        offset += group.block_bytes
+        group_hashes.append(ContentHash(block_hash(pages, seed)))
+    if len(group_hashes) == 1:
+        return BlockHash(group_hashes[0])
+    return block_hash(group_hashes, seed)
+
+
+class TierBackend(abc.ABC):
+    """What the connector needs of the tier; every method is one batched call."""
+
+    layout: ModelLayout
+    """The layout the tier stores pages in (token keys and hashes carry its fingerprint)."""
+
+    @abc.abstractmethod
+    def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]:
+        """Per key, the hash of the block the tier holds under it, or ``None`` (a miss)."""
+
+    @abc.abstractmethod
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
+        """Per key, the block's payload (uint8 ``[block_bytes]``), or ``None`` when the tier no
+        longer holds it (evicted since the lookup, owner gone). Not verified here."""
+
+    @abc.abstractmethod
+    def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
+        """Store ``payloads[i]`` (uint8 ``[len(keys), block_bytes]``) under ``keys[i]``."""
+
+
+class LocalTier(TierBackend):
+    """The core engine in this process: one :class:`PoolService` and an in-process directory."""
+
+    def __init__(self, layout: ModelLayout, *, num_blocks: int, device: str, timeout_s: float):
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.directory = LocalDirectory()
+        self.service = PoolService(
+            "local",
+            layout,
+            PoolServiceConfig(num_blocks=num_blocks, device=device),
+            directory=self.directory,
+        )
+
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return run_on_loop(coro, self.timeout_s)
+
+    def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]:
+        results = self._run(self.directory.lookup(namespace, list(keys)))
+        return [r.block_hash if r is not None else None for r in results]
+
+    async def _read(self, namespace: str, keys: list[TokenKey]) -> list[np.ndarray | None]:
+        ticket = await self.service.pin(namespace, keys)
+        try:
+            rows = iter(self.service.read_pinned(ticket.id))
+            return [next(rows) if b is not None else None for b in ticket.blocks]
+        finally:
+            self.service.unpin(ticket.id)
+
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
+        return self._run(self._read(namespace, list(keys)))
+
+    def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
+        self._run(self.service.store(namespace, list(keys), payloads))
+
+
+class RayTier(TierBackend):
+    """The running tier on a Ray cluster (``tessera-ray start``), through one client."""
+
+    def __init__(self, config: TesseraConnectorConfig) -> None:
+        # The Ray backend only: the local one runs without Ray.
+        from tessera_ray.actors.client import TesseraClient
+
+        self.timeout_s = config.timeout_s
+        self.client = TesseraClient.connect(config.ray_namespace, address=config.ray_address)
+        self.layout = self.client.layout
+        if config.pool is not None:
+            if config.pool not in self.client.pools:
+                raise TierConfigError(
+                    f"pool {config.pool!r} is not a pool of the tier in Ray namespace "
+                    f"{config.ray_namespace!r}; pools: {', '.join(self.client.pools)}"
+                )
+            self.pool = config.pool
+        else:
+            self.pool = self.client.local_pool()
+
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return run_on_loop(coro, self.timeout_s)
+
+    def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]:
+        results = self._run(self.client.alookup(namespace, list(keys)))
+        return [r.block_hash if r is not None else None for r in results]
+
+    async def _read(self, namespace: str, keys: list[TokenKey]) -> list[np.ndarray | None]:
+        fetched = await self.client.afetch(namespace, keys, into=self.pool)
+        available = fetched.available
+        held = [k for k in keys if k in available]
+        rows = await self.client.aread(namespace, held, pool=self.pool) if held else []
+        by_key = dict(zip(held, rows, strict=True))
+        return [by_key.get(k) for k in keys]
+
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
+        return self._run(self._read(namespace, list(keys)))
+
+    def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
+        self._run(self.client.astore(namespace, list(keys), payloads, pool=self.pool))
+
+
+_LOCAL_LOCK = threading.Lock()
+_LOCAL_TIERS: dict[str, LocalTier] = {}
+
+
+def shared_local_tier(layout: ModelLayout, config: TesseraConnectorConfig) -> LocalTier:
+    """This process's in-process tier for ``layout`` (created on first use), so the scheduler's
+    lookups see what the worker stored. Later callers get the first one's size and device."""
+    with _LOCAL_LOCK:
+        tier = _LOCAL_TIERS.get(layout.fingerprint)
+        if tier is None:
+            tier = LocalTier(
+                layout,
+                num_blocks=config.local_num_blocks,
+                device=config.local_device,
+                timeout_s=config.timeout_s,
+            )
+            _LOCAL_TIERS[layout.fingerprint] = tier
+        elif tier.service.config.num_blocks != config.local_num_blocks:
+            log.warning(
+                "in-process tier for %s already exists with %d blocks; ignoring "
+                "local_num_blocks=%d",
+                layout.model,
+                tier.service.config.num_blocks,
+                config.local_num_blocks,
+            )
+        return tier
+
+
+def open_tier(config: TesseraConnectorConfig, local_layout: ModelLayout) -> TierBackend:
+    """The backend ``config`` names; ``local_layout`` is the in-process tier's layout."""
+    if config.backend == "local":
+        return shared_local_tier(local_layout, config)
+    return RayTier(config)

@@ -1,0 +1,271 @@
+"""``TesseraConnector``: the vLLM v1 KV connector class itself (imports vLLM).
+
+A thin adapter: it translates vLLM's objects (requests, block lists, scheduler output, cache
+tensors) into the plain calls of :class:`SchedulerPlanner` (scheduler side) and
+:class:`WorkerMover` (worker side), which hold the logic. Import it through
+:mod:`tessera_ray.serve.connector`, which loads this module only when vLLM asks for the class.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+from tessera_ray.errors import LayoutError
+from tessera_ray.layout import MLAConfig, ModelLayout, build_layout
+from tessera_ray.serve._connector_config import TesseraConnectorConfig
+from tessera_ray.serve._connector_plan import (
+    CachedScheduled,
+    NewScheduled,
+    SchedulerPlanner,
+    StepPlan,
+    check_paged_layout,
+)
+from tessera_ray.serve._connector_tier import open_tier
+from tessera_ray.serve._connector_worker import WorkerMover
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["TesseraConnector", "TesseraConnectorMetadata"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TesseraConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
+    """What the scheduler's connector sends every worker for one step."""
+
+    plan: StepPlan
+
+
+def _served_name(vllm_config: VllmConfig) -> str:
+    name = vllm_config.model_config.served_model_name
+    if isinstance(name, list | tuple):
+        name = name[0]
+    return str(name or vllm_config.model_config.model)
+
+
+def _engine_layout(
+    vllm_config: VllmConfig, config: TesseraConnectorConfig, model_name: str
+) -> ModelLayout:
+    """The tier layout of the engine's cache: its MLA geometry in ``config.format``."""
+    model = vllm_config.model_config
+    if not model.use_mla:
+        raise LayoutError(
+            f"model {model_name!r} does not use MLA; TesseraConnector stores MLA latent caches "
+            "(DeepSeek-V2/V3, Kimi-K2)"
+        )
+    hf = model.hf_text_config
+    return build_layout(
+        MLAConfig(
+            name=model_name,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            kv_lora_rank=hf.kv_lora_rank,
+            qk_rope_head_dim=hf.qk_rope_head_dim,
+            qk_nope_head_dim=getattr(hf, "qk_nope_head_dim", 128),
+            v_head_dim=getattr(hf, "v_head_dim", 128),
+            format=config.format,
+            block_tokens=vllm_config.cache_config.block_size,
+        )
+    )
+
+
+def _check_engine(
+    tier: ModelLayout, engine: ModelLayout, kv_cache_config: KVCacheConfig | None
+) -> None:
+    """The tier's pages must be the engine's cache pages, byte for byte."""
+    page = check_paged_layout(tier)
+    if (tier.num_layers, tier.block_tokens, page) != (
+        engine.num_layers,
+        engine.block_tokens,
+        check_paged_layout(engine),
+    ):
+        raise LayoutError(
+            f"the tier stores {tier.model}/{tier.format_name}: {tier.num_layers} layers, "
+            f"{tier.block_tokens}-token blocks, {page} B pages; the engine has "
+            f"{engine.num_layers} layers, {engine.block_tokens}-token blocks, "
+            f"{check_paged_layout(engine)} B pages"
+        )
+    if kv_cache_config is None:
+        return
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise LayoutError(f"TesseraConnector needs one KV cache group, vLLM has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    if spec.block_size != tier.block_tokens or spec.page_size_bytes != page:
+        raise LayoutError(
+            f"vLLM's cache pages are {spec.block_size} tokens / {spec.page_size_bytes} B, the "
+            f"tier's {tier.block_tokens} tokens / {page} B; match block_size and "
+            "kv_cache_dtype to the tier's format"
+        )
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except AssertionError:  # no process groups: a single-process engine or a test
+        return 0
+
+
+class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+    """vLLM v1 KV connector over the tessera-ray tier (README, "vLLM connector").
+
+    Enable with ``kv_transfer_config={"kv_connector": "TesseraConnector",
+    "kv_connector_module_path": "tessera_ray.serve.connector", "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}``.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = TesseraConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1 or parallel.decode_context_parallel_size != 1:
+            raise LayoutError(
+                "TesseraConnector stores whole blocks of every layer: pipeline and decode "
+                "context parallelism are not supported"
+            )
+        model_name = self.config.model_name or _served_name(vllm_config)
+        engine_layout = _engine_layout(vllm_config, self.config, model_name)
+        self.tier = open_tier(self.config, engine_layout)
+        _check_engine(self.tier.layout, engine_layout, kv_cache_config)
+        self.planner: SchedulerPlanner | None = None
+        self.mover: WorkerMover | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.planner = SchedulerPlanner(
+                self.tier,
+                self.tier.layout,
+                namespace=self.config.namespace,
+                model_name=model_name,
+                block_tokens=vllm_config.cache_config.block_size,
+                can_load=transfer.is_kv_consumer,
+                can_save=transfer.is_kv_producer,
+                extra_keys=generate_block_hash_extra_keys,
+            )
+        else:
+            # MLA caches are replicated across tensor-parallel ranks: every rank loads, one
+            # rank saves.
+            self.mover = WorkerMover(
+                self.tier,
+                self.tier.layout,
+                can_save=transfer.is_kv_producer and _tp_rank() == 0,
+                timeout_s=self.config.timeout_s,
+            )
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Loads and saves happen in wait_for_layer_load / save_kv_layer around each attention
+        # layer: Python that a full CUDA graph would skip on replay.
+        return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss, never lost output
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def _planner(self) -> SchedulerPlanner:
+        assert self.planner is not None, "scheduler-side call on a worker connector"
+        return self.planner
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._planner().matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._planner().after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        new = [
+            NewScheduled(r.req_id, r.block_ids[0], r.num_computed_tokens, scheduled[r.req_id])
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        c = scheduler_output.scheduled_cached_reqs
+        cached = [
+            CachedScheduled(
+                req_id,
+                ids[0] if ids is not None else None,
+                req_id in c.resumed_req_ids,
+                c.num_computed_tokens[i],
+                scheduled.get(req_id, 0),
+            )
+            for i, (req_id, ids) in enumerate(zip(c.req_ids, c.new_block_ids, strict=True))
+        ]
+        return TesseraConnectorMetadata(self._planner().build(new, cached))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._planner().load_failed(set(connector_output.invalid_block_ids or ()))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are synchronous (wait_for_save), so vLLM may free the blocks at once.
+        self._planner().finished(request.request_id)
+        return False, None
+
+    # ---------------------------------------------------------------- worker side
+
+    def _mover(self) -> WorkerMover:
+        assert self.mover is not None, "worker-side call on a scheduler connector"
+        return self.mover
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TesseraConnectorMetadata)
+        return meta.plan
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._mover().register(kv_caches, extract_layer_index)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._mover().start(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._mover().wait_layer(self._plan(), layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._mover().save_layer(self._plan(), layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._mover().finish(self._plan())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._mover().take_load_errors()
+
+    def shutdown(self) -> None:
+        # The tier outlives the engine (a shared local tier serves the process's other
+        # connectors; the Ray tier serves the cluster): only this worker's reader thread ends.
+        if self.mover is not None:
+            self.mover.close()
