@@ -56,6 +56,10 @@ class TesseraConnectorConfig:
     format: str = "mla-bf16"
     """Page format of the in-process tier's layout; must describe vLLM's cache bytes exactly
     (``mla-bf16``: a bf16 ``kv_cache_dtype``). The Ray backend uses the running tier's layout."""
+    tenant_secret_file: str | None = None
+    """File holding the tier's tenant secret, for a tier started with one (every call then
+    needs a credential): the connector is the front end that maps ``cache_salt`` to tenants,
+    so it issues itself a credential per tenant namespace. ``None``: an open tier."""
     timeout_s: float = 30.0
     """Longest one batched tier call (lookup, read, store) may take; a read that times out is
     reported as a load error and vLLM recomputes the blocks."""
@@ -69,7 +73,7 @@ class TesseraConnectorConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise TierConfigError(f"{_WHERE}: {name} must be a non-empty string")
-        for name in ("model_name", "ray_address", "pool"):
+        for name in ("model_name", "ray_address", "pool", "tenant_secret_file"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise TierConfigError(f"{_WHERE}: {name} must be a non-empty string or null")

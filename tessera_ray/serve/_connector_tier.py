@@ -24,6 +24,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -31,6 +32,7 @@ import numpy as np
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.links import LocalDirectory
 from tessera_ray.actors.pool_service import PoolService
+from tessera_ray.actors.tenancy import Access
 from tessera_ray.core import block_hash, content_seed, xxh3_128
 from tessera_ray.core.results import BlockHash, ContentHash, TokenKey
 from tessera_ray.errors import TierConfigError
@@ -168,7 +170,12 @@ class RayTier(TierBackend):
         from tessera_ray.actors.client import TesseraClient
 
         self.timeout_s = config.timeout_s
-        self.client = TesseraClient.connect(config.ray_namespace, address=config.ray_address)
+        secret = _read_secret(config.tenant_secret_file)
+        self.client = TesseraClient.connect(
+            config.ray_namespace, address=config.ray_address, tenant_secret=secret
+        )
+        self._credentials: dict[str, Access] = {}
+        self._closed = secret is not None
         self.layout = self.client.layout
         if config.pool is not None:
             if config.pool not in self.client.pools:
@@ -183,15 +190,25 @@ class RayTier(TierBackend):
     def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         return run_on_loop(coro, self.timeout_s)
 
+    def _access(self, namespace: str) -> Access:
+        """What calls for ``namespace`` present: a credential on a tier with tenant secret."""
+        if not self._closed:
+            return namespace
+        cred = self._credentials.get(namespace)
+        if cred is None:
+            cred = self._credentials[namespace] = self.client.issue_credential(namespace)
+        return cred
+
     def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]:
-        results = self._run(self.client.alookup(namespace, list(keys)))
+        results = self._run(self.client.alookup(self._access(namespace), list(keys)))
         return [r.block_hash if r is not None else None for r in results]
 
     async def _read(self, namespace: str, keys: list[TokenKey]) -> list[np.ndarray | None]:
-        fetched = await self.client.afetch(namespace, keys, into=self.pool)
+        access = self._access(namespace)
+        fetched = await self.client.afetch(access, keys, into=self.pool)
         available = fetched.available
         held = [k for k in keys if k in available]
-        rows = await self.client.aread(namespace, held, pool=self.pool) if held else []
+        rows = await self.client.aread(access, held, pool=self.pool) if held else []
         by_key = dict(zip(held, rows, strict=True))
         return [by_key.get(k) for k in keys]
 
@@ -199,7 +216,23 @@ class RayTier(TierBackend):
         return self._run(self._read(namespace, list(keys)))
 
     def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
-        self._run(self.client.astore(namespace, list(keys), payloads, pool=self.pool))
+        self._run(self.client.astore(self._access(namespace), list(keys), payloads, pool=self.pool))
+
+
+def _read_secret(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise TierConfigError(
+            f"kv_connector_extra_config: tenant_secret_file {path!r} cannot be read: {exc}"
+        ) from exc
+    if len(secret) < 16:
+        raise TierConfigError(
+            f"kv_connector_extra_config: tenant_secret_file {path!r} holds under 16 bytes"
+        )
+    return secret
 
 
 _LOCAL_LOCK = threading.Lock()
