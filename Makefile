@@ -15,6 +15,8 @@ help:
 	@echo "make test   - the test suite (what CI runs)"
 	@echo "make bench  - every benchmark, then BENCHMARKS.md"
 	@echo "make lint   - ruff and mypy"
+	@echo "make test-vllm - the vLLM connector against vLLM (own venv, about 9 GB)"
+	@echo "make reliability - the chaos suite, then RELIABILITY.md"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "tessera-ray needs Python >= 3.11, found " + sys.version.split()[0]'
@@ -33,11 +35,45 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check tessera_ray tests benchmarks
 	$(BIN)/mypy tessera_ray
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
+# The peers bench_peers.py compares against (pip extra `bench`; redis-server and libibverbs1
+# with apt-get where root): whatever cannot be installed is a "not available" row, never a
+# failed run. UCX_MODULES: UCX with system libibverbs can crash at exit (REFERENCE.md).
+.PHONY: bench-install
+bench-install: $(STAMP)
+	bash benchmarks/install_peers.sh $(BIN)/python
+
+bench: bench-install
+	UCX_MODULES='^ib' $(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/tessera-ray demo --report demo_report.json --plot demo.png
 
+# The chaos suite alone (faults under load, hostile input, load), then RELIABILITY.md from the
+# figures that run wrote; `make test` runs the same suite as part of the whole.
+.PHONY: reliability
+reliability: $(STAMP)
+	TESSERA_RELIABILITY_JSON=build/reliability.json $(BIN)/python -m pytest -q tests/chaos
+	$(BIN)/python -m tests.chaos.render build/reliability.json RELIABILITY.md
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# The vLLM connector's tests run against vLLM's real classes, in their own virtualenv: vLLM pins
+# its own torch (a CUDA build, about 9 GB with vLLM), which must not replace the main venv's CPU
+# torch. vLLM and tessera-ray go in one pip command, so vLLM's torch pin decides torch. A fresh
+# install took about 4 minutes on a 2-core machine; the tests take under a minute.
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm==0.33.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: test-vllm
+
+$(VLLM_STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vLLM needs Python >= 3.11, found " + sys.version.split()[0]'
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" -e . "pytest>=8"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm

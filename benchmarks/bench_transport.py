@@ -39,13 +39,13 @@ MIB = 1 << 20
 class BenchNode:
     """One pool with its tier transport, plus a separate raw NIXL agent on the same memory."""
 
-    def __init__(self, name: str, case: str, num_pages: int) -> None:
+    def __init__(self, name: str, page_bytes: int, num_pages: int) -> None:
         import torch
 
         from tessera_ray.core import BlockPool, PoolConfig, token_key
         from tessera_ray.transport import TransportConfig, make_transport
 
-        page, fingerprint = _page_spec(case)
+        page, fingerprint = page_spec(page_bytes)
         self.pool = BlockPool(page, PoolConfig(num_pages=num_pages), fingerprint=fingerprint)
         self.namespace = "bench"
         self.transport = make_transport(TransportConfig(kind="nixl", timeout_s=30), name=name)
@@ -71,12 +71,8 @@ class BenchNode:
     # ---------------------------------------------------------------- owner side
     def fill(self, n: int) -> list[Any]:
         """``n`` random sealed single-page blocks, registered under token keys."""
-        gen = self._torch.Generator().manual_seed(7)
         handles = self.pool.allocate_many(n)
-        data = self._torch.randint(
-            0, 256, (n, self.pool.page_bytes), dtype=self._torch.uint8, generator=gen
-        )
-        handles = self.pool.write_many(handles, data)
+        handles = self.pool.write_many(handles, payload(n, self.pool.page_bytes))
         for i, h in enumerate(handles):
             key = self._token_key(self.namespace, self.pool.fingerprint, None, [i])
             res = self.pool.seal_block([h], self.namespace, key)
@@ -165,7 +161,24 @@ class BenchNode:
         return out
 
 
-def _page_spec(case: str) -> tuple[Any, str]:
+MLA_PAGE_BYTES = 73_728
+"""DeepSeek-V3's FlashMLA bf16 page: 64 tokens x 576 values x 2 B."""
+
+
+def payload(n: int, page_bytes: int) -> Any:
+    """The pages every system in the transport and peer benchmarks moves: ``n`` seeded random
+    uint8 rows of ``page_bytes`` (a torch tensor), the same bytes in every process."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(0, 256, (n, page_bytes), dtype=torch.uint8, generator=gen)
+
+
+def page_spec(page_bytes: int) -> tuple[Any, str]:
+    """A page spec of ``page_bytes`` and its layout fingerprint: DeepSeek-V3's real MLA page for
+    73,728 B, otherwise a 64-token bf16 page with a 64-value RoPE region and the latent sized to
+    fit (only the size matters to a transfer). ``page_bytes`` is a multiple of 128 above 8 KiB.
+    """
     from tessera_ray.layout import (
         CacheSpec,
         DType,
@@ -176,28 +189,34 @@ def _page_spec(case: str) -> tuple[Any, str]:
         preset_layout,
     )
 
-    if case == "mla":
+    if page_bytes == MLA_PAGE_BYTES:
         layout = preset_layout("deepseek-v3")
         return layout.groups[0].page, layout.fingerprint
-    # 1 MiB pages: 64 tokens of 16 KiB (bf16 latent + rope), only the size matters here.
+    rope_values, tokens, value_bytes = 64, 64, 2
     entry = EntryFormat(
-        name="bench-1mib",
+        name=f"bench-{page_bytes}",
         regions=(
-            Region(name="c_kv", num_values=8128, dtype=DType.BF16),
-            Region(name="k_rope", num_values=64, dtype=DType.BF16),
+            Region(
+                name="c_kv",
+                num_values=page_bytes // (tokens * value_bytes) - rope_values,
+                dtype=DType.BF16,
+            ),
+            Region(name="k_rope", num_values=rope_values, dtype=DType.BF16),
         ),
     )
-    page = PageSpec(cache=CacheSpec(scheme=Scheme.MLA, entry=entry), block_tokens=64)
-    assert page.page_bytes == MIB
-    return page, "bench-1mib-layout"
+    page = PageSpec(cache=CacheSpec(scheme=Scheme.MLA, entry=entry), block_tokens=tokens)
+    assert page.page_bytes == page_bytes, (page.page_bytes, page_bytes)
+    return page, f"bench-{page_bytes}-layout"
 
 
-def run_case(case: str, n: int, reps: int) -> dict[str, float]:
+def run_case(page_bytes: int, n: int, reps: int) -> dict[str, float]:
+    """Start an owner and a reader pool actor with ``n`` pages of ``page_bytes``, fill the
+    owner, measure from the reader (see the module docstring), stop both."""
     import ray
 
     node: Any = ray.remote(BenchNode).options(num_cpus=0)
-    owner = node.remote(f"bench-owner-{case}", case, n)
-    reader = node.remote(f"bench-reader-{case}", case, n)
+    owner = node.remote(f"bench-owner-{page_bytes}", page_bytes, n)
+    reader = node.remote(f"bench-reader-{page_bytes}", page_bytes, n)
     ray.get(reader.connect.remote(ray.get(owner.peer.remote())))
     keys = ray.get(owner.fill.remote(n))
     slots = ray.get(owner.slots.remote())
@@ -221,14 +240,14 @@ def main() -> None:
     )
     reps = 7 if args.quick else 25
     cases = [
-        ("mla256", "mla", 256, "256 MLA pages x 73,728 B"),
-        ("16mib", "1mib", 16, "16 x 1 MiB"),
+        ("mla256", MLA_PAGE_BYTES, 256, "256 MLA pages x 73,728 B"),
+        ("16mib", MIB, 16, "16 x 1 MiB"),
     ]
     rows: list[Row] = []
     try:
-        for label, case, n, note in cases:
-            r = run_case(case, n, reps)
-            nbytes = n * (MIB if case == "1mib" else 73_728)
+        for label, page_bytes, n, note in cases:
+            r = run_case(page_bytes, n, reps)
+            nbytes = n * page_bytes
             full = f"fetch_full_path_{label}"
             rows += [
                 Row(name=f"raw_nixl_read_{label}", value=r["raw"], unit="GB/s", note=note),

@@ -6,6 +6,11 @@ finishes within a minute on a 2-core machine. It writes one JSON document::
     {"benchmark": NAME, "machine": {...}, "command": "...", "quick": bool,
      "rows": [{"name", "value", "unit", "baseline", "baseline_value", "ratio", "target_ratio"}]}
 
+A row whose system could not be installed or started has ``"value": null`` and a ``note``
+starting ``"not available: "`` with the reason: a missing peer is reported, never estimated. A
+document may list ``"plots"`` (PNG file names next to the JSON, which BENCHMARKS.md shows) and
+``"versions"`` (system -> version, or why it is not available).
+
 Ratios compare the tier against a baseline measured in the same run and process (memcpy, raw
 xxh3, raw NIXL, ...), never against a number from another day. ``ratio`` is value over
 baseline_value for throughputs; a row says so in its ``unit``. ``make bench`` runs every
@@ -34,9 +39,11 @@ __all__ = [
     "write_result",
     "time_median",
     "RESULTS_DIR",
+    "NOT_AVAILABLE",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+NOT_AVAILABLE = "not available: "
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +51,8 @@ class Row:
     """One measured figure, with the same-run baseline it is judged against."""
 
     name: str
-    value: float
+    value: float | None
+    """``None`` only for a row that could not be measured; ``note`` then says why."""
     unit: str
     baseline: str | None = None
     baseline_value: float | None = None
@@ -54,9 +62,14 @@ class Row:
 
     @property
     def ratio(self) -> float | None:
-        if self.baseline_value in (None, 0):
+        if self.value is None or self.baseline_value in (None, 0):
             return None
-        return self.value / self.baseline_value  # type: ignore[operator]
+        return self.value / self.baseline_value
+
+    @classmethod
+    def unavailable(cls, name: str, unit: str, reason: str, **baseline: Any) -> Row:
+        """A row for a system that is not there: no value, the reason in the note."""
+        return cls(name=name, value=None, unit=unit, note=f"{NOT_AVAILABLE}{reason}", **baseline)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -103,8 +116,17 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def write_result(benchmark: str, args: BenchArgs, rows: list[Row]) -> dict[str, Any]:
-    """Write the contract JSON to ``args.out`` and print a short table; returns the document."""
+def write_result(
+    benchmark: str,
+    args: BenchArgs,
+    rows: list[Row],
+    *,
+    plots: list[str] | None = None,
+    versions: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Write the contract JSON to ``args.out`` and print a short table; returns the document.
+    ``plots``: PNG file names already written next to ``args.out``; ``versions``: what each
+    compared system ran as (or why it did not run)."""
     script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else f"bench_{benchmark}.py"
     doc = {
         "benchmark": benchmark,
@@ -114,11 +136,17 @@ def write_result(benchmark: str, args: BenchArgs, rows: list[Row]) -> dict[str, 
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rows": [r.to_json() for r in rows],
     }
+    if plots:
+        doc["plots"] = plots
+    if versions:
+        doc["versions"] = versions
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     for r in rows:
         ratio = f"  x{r.ratio:.3f} of {r.baseline}" if r.ratio is not None else ""
-        print(f"{r.name:<28} {r.value:>14.4g} {r.unit:<10}{ratio}")
+        value = f"{r.value:>14.4g}" if r.value is not None else f"{'-':>14}"
+        why = f"  {r.note}" if r.value is None else ""
+        print(f"{r.name:<28} {value} {r.unit:<10}{ratio}{why}")
     print(f"wrote {args.out}")
     return doc
 

@@ -6,6 +6,7 @@ still run, and the script exits non-zero at the end.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,10 +18,14 @@ HERE = Path(__file__).resolve().parent
 def main() -> int:
     extra = sys.argv[1:]
     failed = []
+    # The repository first on the path, so every benchmark imports this checkout's tessera_ray
+    # whether or not the package is installed.
+    paths = [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     for script in sorted(HERE.glob("bench_*.py")):
         start = time.monotonic()
         print(f"== {script.name} {' '.join(extra)}", flush=True)
-        code = subprocess.call([sys.executable, str(script), *extra], cwd=HERE.parent)
+        code = subprocess.call([sys.executable, str(script), *extra], cwd=HERE.parent, env=env)
         print(f"== {script.name}: exit {code} in {time.monotonic() - start:.1f} s", flush=True)
         if code:
             failed.append(script.name)

@@ -43,7 +43,7 @@ from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access, Credential, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
 from tessera_ray.core.results import BlockHash, TokenKey
-from tessera_ray.errors import PoolUnavailableError
+from tessera_ray.errors import PoolUnavailableError, TransportError
 from tessera_ray.layout import ModelLayout, preset_layout
 from tessera_ray.metrics import get_metrics
 from tessera_ray.transport import PeerInfo, make_transport
@@ -377,7 +377,10 @@ class PoolActor:
                     for b, r in zip(ticket.blocks, reasons, strict=True)
                 ]
             return reasons
-        except (*_DEAD, TimeoutError) as exc:
+        except (*_DEAD, TimeoutError, TransportError) as exc:
+            # The owner died mid-read (or its agent went away): the fetch gave its reserved
+            # slots back (slots a read may still write are freed only once it is cancelled);
+            # these blocks are misses, fetched elsewhere or recomputed.
             if self.svc.transport is not None and owner_name in self.svc.transport.peers:
                 self.svc.transport.remove_peers([owner_name])
             return [f"transfer from {owner_name} failed: {type(exc).__name__}"] * len(keys)
