@@ -59,6 +59,14 @@ class Row:
     target_ratio: float | None = None
     """The ratio the tier aims for (e.g. 0.8 of memcpy); ``None`` where there is no target."""
     note: str | None = None
+    miss_reason: str | None = None
+    """Why the target is missed, as found by measurement; added to the note only in a run
+    where the ratio falls below the target."""
+
+    @property
+    def missed(self) -> bool:
+        ratio = self.ratio
+        return self.target_ratio is not None and ratio is not None and ratio < self.target_ratio
 
     @property
     def ratio(self) -> float | None:
@@ -74,6 +82,9 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["ratio"] = self.ratio
+        reason = out.pop("miss_reason")
+        if reason and self.missed:
+            out["note"] = f"{out['note']}; below target: {reason}" if out["note"] else reason
         if out["note"] is None:
             del out["note"]
         return out
