@@ -77,6 +77,11 @@ class _RayDirectory:
     def __init__(self, ray_namespace: str, num_shards: int) -> None:
         self.ray_namespace = ray_namespace
         self.num_shards = num_shards
+        # Ray runs an async actor's calls in no guaranteed order, even from one caller: a drop
+        # and a later register of the same replica could land reversed, leaving the directory
+        # naming a copy the pool no longer has (or forgetting one it has). Each change waits
+        # for the previous one to be applied.
+        self._writes = asyncio.Lock()
 
     def _shard(self, i: int) -> Any:
         return ray.get_actor(_shard_name(i), namespace=self.ray_namespace)
@@ -92,23 +97,28 @@ class _RayDirectory:
 
     async def register(self, entries: Sequence[Registration]) -> None:
         groups = group_by_shard([e.token_key for e in entries], self.num_shards)
-        await asyncio.gather(
-            *(self._call(s, "register", [entries[i] for i in idx]) for s, idx in groups.items())
-        )
+        async with self._writes:
+            await asyncio.gather(
+                *(self._call(s, "register", [entries[i] for i in idx]) for s, idx in groups.items())
+            )
 
     async def drop(
         self, pool: str, blocks: Sequence[tuple[str, BlockHash]], tier: Tier | None
     ) -> None:
-        await asyncio.gather(
-            *(
-                self._call(s, "drop_replicas", pool, list(blocks), tier)
-                for s in range(self.num_shards)
+        async with self._writes:
+            await asyncio.gather(
+                *(
+                    self._call(s, "drop_replicas", pool, list(blocks), tier)
+                    for s in range(self.num_shards)
+                )
             )
-        )
 
     async def purge(self, pool: str) -> None:
         """Forget every replica of ``pool`` (a pool process that starts holds nothing)."""
-        await asyncio.gather(*(self._call(s, "purge_pool", pool) for s in range(self.num_shards)))
+        async with self._writes:
+            await asyncio.gather(
+                *(self._call(s, "purge_pool", pool) for s in range(self.num_shards))
+            )
 
     async def publish_peer(self, info: PeerInfo) -> None:
         """Every shard keeps every pool's transport data, so a reader finds it at any shard."""
