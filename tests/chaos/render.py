@@ -112,11 +112,13 @@ def render(data: dict[str, Any]) -> str:
             "## Forced-collision campaign across tenants",
             "",
             f"A pool sealing with a {collide['hash_bits']}-bit content hash (so nearly every "
-            f"page collides), {collide['tenants']} tenants storing distinct blocks and some "
-            f"identical ones: {collide['pages_sealed']} pages sealed, "
-            f"{collide['collisions_detected']} hash collisions detected by byte comparison, "
-            f"{collide['dedup_hits']} true duplicates shared, "
-            f"{collide['wrong_pages_served']} wrong pages served.",
+            f"page collides), {collide['tenants']} tenants each storing distinct blocks plus "
+            f"blocks identical to the other tenant's: {collide['pages_sealed']} pages sealed, "
+            f"{collide['collisions_detected']} hash collisions caught by byte comparison, "
+            f"{collide['dedup_hits']} pages shared (the dedup index is scoped by tenant, so "
+            f"identical bytes of two tenants are never one page), "
+            f"{collide['wrong_pages_served']} wrong pages served; every tenant read back "
+            "exactly its own bytes.",
             "",
         ]
     if load is not None:
@@ -129,8 +131,8 @@ def render(data: dict[str, Any]) -> str:
             f"{load['refused_pool_busy']} stores refused while a pool was full of concurrent "
             f"reservations (retried as new operations). {load['blocks_stored']:,} blocks "
             f"stored, {load['blocks_present_byte_exact']:,} present and byte-exact at the end, "
-            f"{load['spilled_to_disk']:,} of them spilled to disk on the way, "
-            f"{load['lost_by_the_tier']} lost.",
+            f"{load['lost_by_the_tier']} lost; pools spilled to disk {load['spilled_to_disk']:,} "
+            "times on the way (memory held 3 x 512 blocks).",
             "",
             *_load(load),
             "",

@@ -54,10 +54,12 @@ def test_pool_kills_under_load(agents: Agents, chaos_tier: TesseraClient, ledger
             time.sleep(_KILL_GAP_S)
             victim = chaos_tier.pools[i % len(chaos_tier.pools)]
             turns = agents.turns
+            killed = time.monotonic()
             ray.kill(chaos_tier.pool(victim), no_restart=False)
             back = wait_alive(chaos_tier, victim)
+            note = f"back in {time.monotonic() - killed:.1f} s"
             ok = back and _progress_after(agents, turns)
-            ledger.fault("pool actor killed (Ray restarts it)", survived=ok, note=victim[-14:])
+            ledger.fault("pool actor killed (Ray restarts it)", survived=ok, note=note)
             assert ok, f"pool {victim} did not come back or the workload stalled"
     finally:
         stop.set()
@@ -77,9 +79,12 @@ def test_directory_shard_kills_under_load(
         for i in range(3):
             time.sleep(_KILL_GAP_S)
             turns = agents.turns
+            killed = time.monotonic()
             ray.kill(chaos_tier.shard(i % chaos_tier.config.num_shards), no_restart=False)
-            ok = chaos_tier.wait_rebuilt(60) and _progress_after(agents, turns)
-            ledger.fault("directory shard killed (restarts, rebuilds)", survived=ok)
+            rebuilt = chaos_tier.wait_rebuilt(60)
+            note = f"rebuilt in {time.monotonic() - killed:.1f} s"
+            ok = rebuilt and _progress_after(agents, turns)
+            ledger.fault("directory shard killed (restarts, rebuilds)", survived=ok, note=note)
             assert ok
     finally:
         stop.set()
