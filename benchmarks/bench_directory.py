@@ -27,7 +27,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on l
 
 import numpy as np
 import ray
-from common import Row, parse_args, write_result
+from common import Row, parse_args, start_local_ray, write_result
 
 if __package__ is None or __package__ == "":
     sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
@@ -108,14 +108,7 @@ def main() -> None:
     tokens = 4_096 if args.quick else 32_768
     layout = preset_layout("deepseek-v3")
     num_blocks = tokens // layout.block_tokens
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        object_store_memory=(1 << 30) if args.quick else (6 << 30),
-    )
+    start_local_ray(object_store_bytes=(1 << 30) if args.quick else (6 << 30))
     config = TierConfig(
         model="deepseek-v3",
         pool=PoolServiceConfig(num_blocks=num_blocks),

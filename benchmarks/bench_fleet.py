@@ -34,7 +34,7 @@ os.environ.setdefault("UCX_MODULES", "^ib")  # before anything loads UCX (REFERE
 import ray  # noqa: E402
 import torch  # noqa: E402
 from _prefill import ChunkedPrefill  # noqa: E402
-from common import Row, parse_args, write_result  # noqa: E402
+from common import Row, parse_args, start_local_ray, write_result  # noqa: E402
 
 from tessera_ray.actors.client import TesseraClient  # noqa: E402
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig  # noqa: E402
@@ -80,14 +80,7 @@ def main() -> None:
     recompute_last()  # warm-up
     recompute_block_s = _timed(recompute_last, reps)
 
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"UCX_MODULES": "^ib"}},
-    )
+    start_local_ray()
     num_blocks = prefix_tokens // bt + NUM_AGENTS + 8
     config = TierConfig(
         model=engine.layout.model,

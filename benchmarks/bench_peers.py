@@ -46,7 +46,7 @@ os.environ.setdefault("UCX_MODULES", "^ib")  # before anything loads UCX (REFERE
 import _peers  # noqa: E402
 from _peer_sides import MooncakeSide, RaySide, RedisSide  # noqa: E402
 from bench_transport import MIB, MLA_PAGE_BYTES, payload, run_case  # noqa: E402
-from common import Row, parse_args, write_result  # noqa: E402
+from common import Row, parse_args, start_local_ray, write_result  # noqa: E402
 
 GB = 1e9
 CALL_TIMEOUT_S = 120.0
@@ -362,16 +362,8 @@ def main() -> None:
 
     sizes = [s for s in SIZES if s.case is not None] if args.quick else SIZES
     reps, rounds = (3, 1) if args.quick else (5, 2)
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        object_store_memory=1 << 30,
-        # The actors import this folder's modules (bench_transport, _peer_sides) by name.
-        runtime_env={"env_vars": {"UCX_MODULES": "^ib", "PYTHONPATH": f"{ROOT}:{HERE}"}},
-    )
+    # The actors import this folder's modules (bench_transport, _peer_sides) by name.
+    start_local_ray(object_store_bytes=1 << 30, pythonpath=(str(ROOT), str(HERE)))
     try:
         samples, problems, versions = measure(sizes, reps, rounds)
     finally:

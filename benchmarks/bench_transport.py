@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("UCX_MODULES", "^ib")  # before anything loads UCX (REFERENCE.md)
 
-from common import Row, parse_args, write_result  # noqa: E402
+from common import Row, parse_args, start_local_ray, write_result  # noqa: E402
 
 GB = 1e9
 MIB = 1 << 20
@@ -230,14 +230,7 @@ def main() -> None:
     args = parse_args("transport")
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"UCX_MODULES": "^ib", "PYTHONPATH": str(ROOT)}},
-    )
+    start_local_ray(pythonpath=(str(ROOT),))
     reps = 7 if args.quick else 25
     cases = [
         ("mla256", MLA_PAGE_BYTES, 256, "256 MLA pages x 73,728 B"),

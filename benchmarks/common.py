@@ -175,3 +175,25 @@ def time_median(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> fl
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def start_local_ray(
+    *, object_store_bytes: int | None = None, pythonpath: tuple[str, ...] = ()
+) -> None:
+    """An embedded Ray for one benchmark: 2 CPUs, every address on 127.0.0.1, no dashboard.
+    Workers skip UCX's IB module (it can crash a process at exit here, REFERENCE.md) and get
+    ``pythonpath`` when they import the repository's or this folder's modules by name."""
+    import ray
+
+    env = {"UCX_MODULES": "^ib"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        object_store_memory=object_store_bytes,
+        runtime_env={"env_vars": env},
+    )
