@@ -400,6 +400,10 @@ class PoolService(TransferMixin):
             handles = self._reference(namespace, key)
             if handles is not None:
                 taken[i] = handles
+                if (namespace, key) in self._resident:
+                    # A pin is a use. Eviction also looks for victims among the oldest
+                    # blocks only: held blocks left there would crowd out evictable ones.
+                    self._resident.move_to_end((namespace, key))
         try:
             await self._restore(namespace, [k for i, k in enumerate(token_keys) if i not in taken])
         except PoolExhaustedError:

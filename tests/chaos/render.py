@@ -44,6 +44,13 @@ def _load(load: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _retried(load: dict[str, Any]) -> str:
+    n = load.get("blocks_served_by_another_replica_at_the_end")
+    if n is None:  # a run from before the accounting counted it
+        return ""
+    return f" ({n} of them through another replica than the directory's first choice)"
+
+
 def render(data: dict[str, Any]) -> str:
     figures = data["figures"]
     final = figures.get("final_accounting", {})
@@ -130,7 +137,8 @@ def render(data: dict[str, Any]) -> str:
             f"({load['ops_per_s']} ops/s), tenant credentials checked on every call; "
             f"{load['refused_pool_busy']} stores refused while a pool was full of concurrent "
             f"reservations (retried as new operations). {load['blocks_stored']:,} blocks "
-            f"stored, {load['blocks_present_byte_exact']:,} present and byte-exact at the end, "
+            f"stored, {load['blocks_present_byte_exact']:,} present and byte-exact at the end"
+            f"{_retried(load)}, "
             f"{load['lost_by_the_tier']} lost; pools spilled to disk {load['spilled_to_disk']:,} "
             "times on the way (memory held 3 x 512 blocks).",
             "",
