@@ -35,7 +35,6 @@ __all__ = [
     "TenantGate",
     "MAX_BATCH_KEYS",
     "check_batch",
-    "namespace_of",
 ]
 
 MAX_BATCH_KEYS = 1 << 16
@@ -80,11 +79,6 @@ class Credential:
 Access = str | Credential
 """What a call names a namespace with: a plain string on an open tier, a credential on a tier
 started with a tenant secret."""
-
-
-def namespace_of(access: Access) -> str:
-    """The namespace ``access`` addresses (unchecked: for grouping and messages)."""
-    return access.namespace if isinstance(access, Credential) else access
 
 
 def _mac(secret: bytes, tenant: str, reads: tuple[str, ...]) -> bytes:

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-import numpy as np
 import ray
 
 from tessera_ray.actors.client import TesseraClient
@@ -121,7 +120,3 @@ def flip_bytes(path: object, offsets: list[int]) -> None:
             b = f.read(1)
             f.seek(off)
             f.write(bytes([b[0] ^ 0xFF]))
-
-
-def as_rows(rows: list[np.ndarray | None]) -> list[np.ndarray | None]:
-    return [None if r is None else np.asarray(r) for r in rows]
