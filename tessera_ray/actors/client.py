@@ -38,7 +38,13 @@ from tessera_ray.actors.directory import (
 )
 from tessera_ray.actors.exporter import export_directory_stats, export_pool_status, pool_tags
 from tessera_ray.actors.links import group_by_shard
-from tessera_ray.actors.messages import EvictionReport, PinTicket, PoolStatus, StoredBlock
+from tessera_ray.actors.messages import (
+    BlockRead,
+    EvictionReport,
+    PinTicket,
+    PoolStatus,
+    StoredBlock,
+)
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access, Credential, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
@@ -298,13 +304,13 @@ class PoolActor:
 
     async def read(self, namespace: Access, keys: list[TokenKey]) -> list[np.ndarray | None]:
         """Payloads of blocks held here (memory or disk), for callers that consume bytes."""
+        blocks = await self.read_blocks(namespace, keys)
+        return [b.payload if b is not None else None for b in blocks]
+
+    async def read_blocks(self, namespace: Access, keys: list[TokenKey]) -> list[BlockRead | None]:
+        """Payloads with the block hashes to check them against (see :class:`BlockRead`)."""
         await self._start()
-        ticket = await self.svc.pin(namespace, keys)
-        try:
-            rows = iter(self.svc.read_pinned(ticket.id))
-            return [next(rows) if b is not None else None for b in ticket.blocks]
-        finally:
-            self.svc.unpin(ticket.id)
+        return await self.svc.read_blocks(namespace, keys)
 
     async def attend(
         self,
@@ -893,6 +899,15 @@ class TesseraClient:
             namespace, list(token_keys)
         )
         return rows
+
+    async def aread_blocks(
+        self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
+    ) -> list[BlockRead | None]:
+        """:meth:`aread` with the hash each block was sealed under, to verify the bytes by."""
+        blocks: list[BlockRead | None] = await self.pool(pool).read_blocks.remote(
+            namespace, list(token_keys)
+        )
+        return blocks
 
     async def aevict(self, pool: str, num_blocks: int) -> EvictionReport:
         report: EvictionReport = await self.pool(pool).evict.remote(num_blocks)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tessera_ray.actors.directory import Tier
 from tessera_ray.core.results import BlockHash, TokenKey
 
@@ -16,6 +18,7 @@ __all__ = [
     "StoredBlock",
     "PinnedBlock",
     "PinTicket",
+    "BlockRead",
     "BlockRef",
     "EvictionReport",
     "InstallResult",
@@ -64,6 +67,18 @@ class PinnedBlock:
     block_hash: BlockHash
     slots: tuple[tuple[int, ...], ...]
     content_hashes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRead:
+    """A block's bytes as a pool holds them, with the block hash it sealed them under: a
+    consumer checks the one against the other before use. Under one token key two pools may
+    hold different, equally valid bytes (an engine whose KV is not bitwise reproducible
+    recomputed the block), so this hash, not the one a lookup returned earlier, is the check."""
+
+    block_hash: BlockHash
+    payload: np.ndarray
+    """uint8 ``[block_bytes]``, every layer group's pages in order."""
 
 
 @dataclass(frozen=True, slots=True)

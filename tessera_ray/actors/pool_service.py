@@ -37,6 +37,7 @@ from tessera_ray.actors.directory import Registration, Replica, Tier
 from tessera_ray.actors.disk_blocks import DiskBlocks
 from tessera_ray.actors.links import DirectoryLink
 from tessera_ray.actors.messages import (
+    BlockRead,
     BlockRef,
     EvictionReport,
     PinnedBlock,
@@ -466,6 +467,21 @@ class PoolService(TransferMixin):
             return False
         self._release(lease)
         return True
+
+    async def read_blocks(
+        self, access: Access, token_keys: Sequence[TokenKey]
+    ) -> list[BlockRead | None]:
+        """Per key, the block's bytes and hash (restored from disk if need be), or ``None``
+        when this pool holds no block under it; for callers that consume bytes."""
+        ticket = await self.pin(access, token_keys)
+        try:
+            rows = iter(self.read_pinned(ticket.id))
+            return [
+                BlockRead(b.block_hash, next(rows)) if b is not None else None
+                for b in ticket.blocks
+            ]
+        finally:
+            self.unpin(ticket.id)
 
     def read_pinned(self, pin_id: int) -> np.ndarray:
         """The pinned blocks' payloads, ``[blocks held, block_bytes]`` (the object-store path)."""

@@ -64,7 +64,8 @@ class TierLookup(Protocol):
 @dataclass(frozen=True, slots=True)
 class BlockLoad:
     """Blocks of one request to load this step: ``block_ids[i]`` of vLLM's cache receives the
-    tier block under ``token_keys[i]``, whose bytes must hash to ``block_hashes[i]``."""
+    tier block under ``token_keys[i]``; ``block_hashes[i]`` is the hash the scheduler's lookup
+    saw (the load verifies the bytes against the hash the pool returns with them)."""
 
     req_id: str
     namespace: str

@@ -31,6 +31,7 @@ import numpy as np
 
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.links import LocalDirectory
+from tessera_ray.actors.messages import BlockRead
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access
 from tessera_ray.core import block_hash, content_seed, xxh3_128
@@ -117,9 +118,10 @@ class TierBackend(abc.ABC):
         """Per key, the hash of the block the tier holds under it, or ``None`` (a miss)."""
 
     @abc.abstractmethod
-    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
-        """Per key, the block's payload (uint8 ``[block_bytes]``), or ``None`` when the tier no
-        longer holds it (evicted since the lookup, owner gone). Not verified here."""
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
+        """Per key, the block's payload (uint8 ``[block_bytes]``) with the hash the pool
+        sealed it under, or ``None`` when the tier no longer holds it (evicted since the
+        lookup, owner gone). Not verified here."""
 
     @abc.abstractmethod
     def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
@@ -147,16 +149,8 @@ class LocalTier(TierBackend):
         results = self._run(self.directory.lookup(namespace, list(keys)))
         return [r.block_hash if r is not None else None for r in results]
 
-    async def _read(self, namespace: str, keys: list[TokenKey]) -> list[np.ndarray | None]:
-        ticket = await self.service.pin(namespace, keys)
-        try:
-            rows = iter(self.service.read_pinned(ticket.id))
-            return [next(rows) if b is not None else None for b in ticket.blocks]
-        finally:
-            self.service.unpin(ticket.id)
-
-    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
-        return self._run(self._read(namespace, list(keys)))
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
+        return self._run(self.service.read_blocks(namespace, list(keys)))
 
     def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
         self._run(self.service.store(namespace, list(keys), payloads))
@@ -203,16 +197,16 @@ class RayTier(TierBackend):
         results = self._run(self.client.alookup(self._access(namespace), list(keys)))
         return [r.block_hash if r is not None else None for r in results]
 
-    async def _read(self, namespace: str, keys: list[TokenKey]) -> list[np.ndarray | None]:
+    async def _read(self, namespace: str, keys: list[TokenKey]) -> list[BlockRead | None]:
         access = self._access(namespace)
         fetched = await self.client.afetch(access, keys, into=self.pool)
         available = fetched.available
         held = [k for k in keys if k in available]
-        rows = await self.client.aread(access, held, pool=self.pool) if held else []
-        by_key = dict(zip(held, rows, strict=True))
+        blocks = await self.client.aread_blocks(access, held, pool=self.pool) if held else []
+        by_key = dict(zip(held, blocks, strict=True))
         return [by_key.get(k) for k in keys]
 
-    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
         return self._run(self._read(namespace, list(keys)))
 
     def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:

@@ -7,12 +7,16 @@ moves as raw bytes (a dtype view, never a conversion), so what is loaded is byte
 what was saved.
 
 Loads never leave a partial block in vLLM's cache. The step's blocks are read into a staging
-buffer first and each is checked against the block hash the scheduler's lookup returned
-(recomputed from the bytes as the pool sealed them). Only verified blocks are copied into the
-cache, one layer at a time as each attention layer asks for it; a block that is missing or fails
-the check, and every later block of the same request, is not copied at all and is reported as a
-load error, so vLLM recomputes from there. Zeroing or restoring failed blocks afterwards would
-need a second copy of the cache; staging costs one block buffer per loaded block instead.
+buffer first and each block's bytes are checked against the block hash the pool sealed them
+under (recomputed from the bytes as the pool computes it). That hash, not the one the
+scheduler's lookup returned, is the check: under one token key another pool may hold
+different, equally valid bytes (KV recomputed by an engine that is not bitwise reproducible),
+and refusing those would recompute the block on every request. Only verified blocks are
+copied into the cache, one layer at a time as each attention layer asks for it; a block that is
+missing or fails the check, and every later block of the same request, is not copied at all and
+is reported as a load error, so vLLM recomputes from there. Zeroing or restoring failed blocks
+afterwards would need a second copy of the cache; staging costs one block buffer per loaded
+block instead.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tessera_ray.core.results import TokenKey
+from tessera_ray.actors.messages import BlockRead
+from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.serve._connector_plan import BlockLoad, StepPlan, check_paged_layout
@@ -128,20 +133,20 @@ class WorkerMover:
         for namespace, group in by_ns.items():
             keys = [k for load in group for k in load.token_keys]
             try:
-                rows: list[np.ndarray | None] = self.tier.read(namespace, keys)
+                blocks: list[BlockRead | None] = self.tier.read(namespace, keys)
             except Exception as exc:  # the tier is down or slow: recompute, never fail
                 log.warning("tier read of %d blocks failed: %s", len(keys), exc)
-                rows = [None] * len(keys)
-            it = iter(rows)
+                blocks = [None] * len(keys)
+            it = iter(blocks)
             for load in group:
                 ok = True
-                for block_id, expected in zip(load.block_ids, load.block_hashes, strict=True):
-                    row = next(it)
-                    ok = ok and row is not None and self._verified(namespace, row, expected)
+                for block_id, looked_up in zip(load.block_ids, load.block_hashes, strict=True):
+                    block = next(it)
+                    ok = ok and block is not None and self._verified(namespace, block, looked_up)
                     if ok:
-                        assert row is not None
+                        assert block is not None
                         outcome.block_ids.append(block_id)
-                        staged.append(row)
+                        staged.append(block.payload)
                     else:
                         # This block and every later one of the request: vLLM recomputes
                         # from the first failed block, so later ones would be overwritten.
@@ -151,13 +156,16 @@ class WorkerMover:
             outcome.rows = torch.from_numpy(np.stack(staged))
         return outcome
 
-    def _verified(self, namespace: str, row: np.ndarray, expected: int) -> bool:
+    def _verified(self, namespace: str, block: BlockRead, looked_up: BlockHash) -> bool:
+        row = block.payload
         if row.dtype != np.uint8 or row.size != self.layout.block_bytes:
             log.warning("tier block of %d bytes, expected %d", row.size, self.layout.block_bytes)
             return False
-        if payload_block_hash(self.layout, namespace, row) != expected:
-            log.warning("tier block failed verification against its lookup hash; recomputing")
+        if payload_block_hash(self.layout, namespace, row) != block.block_hash:
+            log.warning("tier block failed verification against its sealed hash; recomputing")
             return False
+        if block.block_hash != looked_up:
+            log.debug("the pool holds other valid bytes under this key than the lookup saw")
         return True
 
     def _loaded(self) -> LoadOutcome | None:

@@ -11,13 +11,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.serve import connector
-from tessera_ray.serve._connector_plan import NewScheduled, SchedulerPlanner
+from tessera_ray.serve._connector_plan import (
+    BlockLoad,
+    NewScheduled,
+    SchedulerPlanner,
+    StepPlan,
+)
 from tessera_ray.serve._connector_tier import LocalTier, payload_block_hash
+from tessera_ray.serve._connector_worker import WorkerMover
 from tessera_ray.serve.connector import TesseraConnectorConfig, tenant_namespace
 
 LAYOUT = build_layout(MLAConfig(name="tiny-mla-connector", num_layers=2, num_heads=4))
@@ -136,8 +143,63 @@ def test_load_verification_hash_is_the_pools_block_hash() -> None:
     hashes = tier.lookup("ns", keys)
     assert hashes == [payload_block_hash(LAYOUT, "ns", row) for row in rows]
     read = tier.read("ns", keys)
-    assert all(r is not None and np.array_equal(r, w) for r, w in zip(read, rows, strict=True))
+    assert all(
+        r is not None and np.array_equal(r.payload, w) and r.block_hash == h
+        for r, w, h in zip(read, rows, hashes, strict=True)
+    )
     flipped = rows[1].copy()
     flipped[5] ^= 1
     assert payload_block_hash(LAYOUT, "ns", flipped) != hashes[1]
     assert payload_block_hash(LAYOUT, "other", rows[1]) != hashes[1]
+
+
+def _mover(tier: LocalTier, num_blocks: int) -> tuple[WorkerMover, dict[str, torch.Tensor]]:
+    """A worker mover over ``num_blocks``-block bf16 caches of LAYOUT, one per layer."""
+    page = LAYOUT.groups[0].page
+    values = page.page_bytes // 2 // page.block_tokens
+    caches = {
+        f"layer.{i}": torch.zeros((num_blocks, page.block_tokens, values), dtype=torch.bfloat16)
+        for i in range(LAYOUT.num_layers)
+    }
+    mover = WorkerMover(tier, LAYOUT, can_save=False, timeout_s=10.0)
+    mover.register(caches, lambda name: int(name.split(".")[1]))
+    return mover, caches
+
+
+def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> None:
+    """Under one token key the pool may hold other valid bytes than the lookup saw (an engine
+    whose KV is not bitwise reproducible stored it): loaded, not recomputed on every request.
+    Bytes that no longer match the pool's own seal are refused, and nothing of them lands."""
+    tier = LocalTier(LAYOUT, num_blocks=4, device="cpu", timeout_s=10.0)
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, 256, (2, LAYOUT.block_bytes), dtype=np.uint8)
+    keys = [TokenKey(bytes([7 + i]) * 32) for i in range(2)]
+    tier.store("ns", keys, rows)
+    other = rng.integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8)
+    seen_by_lookup = payload_block_hash(LAYOUT, "ns", other)  # what another pool sealed
+    load = BlockLoad("r", "ns", (2, 0), tuple(keys), (seen_by_lookup, tier.lookup("ns", keys)[1]))
+    mover, caches = _mover(tier, 3)
+    plan = StepPlan(loads=(load,))
+    mover.start(plan)
+    mover.finish(plan)
+    assert mover.take_load_errors() == set()
+    for name, kv in caches.items():
+        i, page = int(name.split(".")[1]), LAYOUT.groups[0].page.page_bytes
+        for block_id, row in ((2, rows[0]), (0, rows[1])):
+            got = kv[block_id].reshape(-1).view(torch.uint8).numpy()
+            assert np.array_equal(got, row[i * page : (i + 1) * page])
+
+    # The pool's copy of the first block rots: its load fails, and so does the one after it
+    # (vLLM recomputes from the first failed block); neither block of vLLM's cache is touched.
+    pool = tier.service.pools[0]
+    handles = pool.lookup("ns", keys[0])
+    assert handles is not None
+    slot = handles[0].offset // handles[0].length
+    pool.data[slot, 100] ^= 0x10
+    pool.release_many(list(handles))
+    mover, caches = _mover(tier, 3)
+    plan = StepPlan(loads=(load,))
+    mover.start(plan)
+    mover.finish(plan)
+    assert mover.take_load_errors() == {2, 0}
+    assert all(not kv.any() for kv in caches.values())

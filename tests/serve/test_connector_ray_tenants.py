@@ -56,7 +56,8 @@ def test_ray_backend_issues_credentials_from_the_secret_file(
     assert hashes == [payload_block_hash(LAYOUT, ns, r) for r in rows]
     got = tier.read(ns, keys)
     assert all(g is not None for g in got)
-    assert np.array_equal(np.stack([np.asarray(g) for g in got]), rows)
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
+    assert [g.block_hash for g in got if g is not None] == hashes
     # Another tenant namespace sees none of it, though it asks with the same keys.
     assert tier.lookup("vllm/tenant-y", keys) == [None, None]
 
