@@ -3,7 +3,8 @@
 ``TinyMLA.prefill`` runs one dense pass from position 0 and materialises ``T x T`` scores per
 head, which at 32K tokens is tens of GB. An engine that misses the cache computes the prompt in
 chunks, each attending over the context before it; this does the same with the model's own
-weights and pieces (the non-absorbed form ``TinyMLA.prefill`` uses), keeping every layer's
+weights and per-layer halves (``TinyMLA.layer_inputs`` / ``layer_output``, in the
+non-absorbed form ``TinyMLA.prefill`` uses), keeping every layer's
 latents (what the tier stores) and the per-head keys and values expanded from them (so a chunk
 never re-expands the context: the cheapest recompute, which makes the comparison with a fetch
 generous to recompute). :meth:`ChunkedPrefill.check` pins it to ``TinyMLA.prefill``.
@@ -48,10 +49,8 @@ class ChunkedPrefill:
         hidden_in_chunk = torch.ones(n, n, dtype=torch.bool).triu(1)
         h = m.embed[tokens]
         for i, layer in enumerate(m.layers):
-            # The model's own per-token pieces; only the attention over the cache is done here.
-            x = m._rms(h, layer.attn_norm)
-            q_nope, q_rope = m._queries(layer, x, pos)
-            kv = m._latents(layer, x, pos)
+            # The model's own per-token halves; only the attention over the cache is done here.
+            q_nope, q_rope, kv = m.layer_inputs(i, h, pos)
             self.latent[i][start:end] = torch.cat([kv.c_kv, kv.k_rope], dim=-1)
             key, value = self.key[i], self.value[i]
             key[:, start:end, : c.qk_nope_head_dim] = torch.einsum(
@@ -65,7 +64,7 @@ class ChunkedPrefill:
             scores = torch.bmm(q, key[:, :end].transpose(1, 2))  # [heads, n, end]
             scores[:, :, start:end].masked_fill_(hidden_in_chunk, float("-inf"))
             attn = torch.bmm(scores.softmax(dim=-1), value[:, :end])  # [heads, n, v]
-            h = m._mlp(layer, h + attn.transpose(0, 1).reshape(n, -1) @ layer.w_o.T)
+            h = m.layer_output(i, h, attn.transpose(0, 1).reshape(n, -1))
         self.length = end
 
     def payloads(self, block_tokens: int, first: int = 0) -> torch.Tensor:

@@ -211,6 +211,26 @@ class TinyMLA:
             raise KernelError(f"token ids must be in [0, {self.config.vocab_size})")
         return ids
 
+    # -- one layer, in two halves around attention (prefill, decode and chunked prefills) ---
+
+    def layer_inputs(
+        self, index: int, h: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, LayerKV]:
+        """Layer ``index``'s attention inputs for hidden states ``h`` ``[T, hidden]`` at
+        positions ``pos`` ``[T]``: ``q_nope`` ``[T, heads, qk_nope_head_dim]``, ``q_rope``
+        ``[T, heads, qk_rope_head_dim]`` (rotated), and the KV the layer stores (a pool's
+        bytes: the latent and the rotated RoPE key)."""
+        layer = self.layers[index]
+        x = self._rms(h, layer.attn_norm)
+        q_nope, q_rope = self._queries(layer, x, pos)
+        return q_nope, q_rope, self._latents(layer, x, pos)
+
+    def layer_output(self, index: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Hidden states after layer ``index``, given its attention output ``attn``
+        ``[T, heads * v_head_dim]``: output projection, residual, MLP."""
+        layer = self.layers[index]
+        return self._mlp(layer, h + attn @ layer.w_o.T)
+
     # -- public API ---------------------------------------------------------------------------
 
     def prefill(self, tokens: Sequence[int] | torch.Tensor) -> PrefillResult:
@@ -222,10 +242,8 @@ class TinyMLA:
         h = self.embed[ids]
         kvs = []
         causal = torch.ones(ids.numel(), ids.numel(), dtype=torch.bool, device=self.device).tril()
-        for layer in self.layers:
-            x = self._rms(h, layer.attn_norm)
-            q_nope, q_rope = self._queries(layer, x, pos)
-            kv = self._latents(layer, x, pos)
+        for i, layer in enumerate(self.layers):
+            q_nope, q_rope, kv = self.layer_inputs(i, h, pos)
             kvs.append(kv)
             k_nope = torch.einsum("tc,hnc->thn", kv.c_kv, layer.w_uk)
             v = torch.einsum("tc,hvc->thv", kv.c_kv, layer.w_uv)
@@ -233,7 +251,7 @@ class TinyMLA:
             scores = (scores + torch.einsum("shr,tr->hst", q_rope, kv.k_rope)) * c.softmax_scale
             probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
             attn = torch.einsum("hst,thv->shv", probs, v).reshape(ids.numel(), -1)
-            h = self._mlp(layer, h + attn @ layer.w_o.T)
+            h = self.layer_output(i, h, attn)
         return PrefillResult(logits=self._logits(h), kv=tuple(kvs))
 
     def forward_dense(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -280,10 +298,8 @@ class TinyMLA:
             raise KernelError("tokens and positions must have one entry per sequence")
         seqlens = (pos + 1).to(torch.int32)
         h = self.embed[ids]
-        for layer, layer_pages in zip(self.layers, pages, strict=True):
-            x = self._rms(h, layer.attn_norm)
-            q_nope, q_rope = self._queries(layer, x, pos)  # [B, heads, nope], [B, heads, rope]
-            kv = self._latents(layer, x, pos)
+        for i, (layer, layer_pages) in enumerate(zip(self.layers, pages, strict=True)):
+            q_nope, q_rope, kv = self.layer_inputs(i, h, pos)  # [B, heads, nope], [B, heads, rope]
             for b in range(ids.numel()):
                 row_kv = LayerKV(c_kv=kv.c_kv[b : b + 1], k_rope=kv.k_rope[b : b + 1])
                 write_layer_kv(layer_pages, block_table[b], row_kv, start=int(pos[b]))
@@ -302,5 +318,5 @@ class TinyMLA:
                 backend=backend,  # type: ignore[arg-type]
             )
             o = torch.einsum("bhc,hvc->bhv", result.out[:, 0].float(), layer.w_uv)
-            h = self._mlp(layer, h + o.reshape(ids.numel(), -1) @ layer.w_o.T)
+            h = self.layer_output(i, h, o.reshape(ids.numel(), -1))
         return self._logits(h)

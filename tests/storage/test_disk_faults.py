@@ -15,6 +15,7 @@ import pytest
 from tessera_ray.errors import (
     CorruptPageError,
     DiskFullError,
+    InvalidKeyError,
     LayoutMismatchError,
     PageNotFoundError,
     ReadOnlyStorageError,
@@ -330,5 +331,32 @@ def test_capacity_respected_on_disk(tmp_path: Path) -> None:
                 assert on_disk == tier.used_bytes <= 10 * REC
             assert len(tier) == 10 and tier.stats.evicted_pages_total == 70
             assert await tier.get(page(79)[0]) == page(79)[1]
+
+    run(body())
+
+
+@pytest.mark.parametrize("capacity_pages", [100, PAGES + 2])
+def test_a_payload_that_does_not_hash_to_its_key_writes_nothing(
+    tmp_path: Path, capacity_pages: int
+) -> None:
+    """A well-formed key whose payload hashes elsewhere fails the whole batch before anything
+    is stored or evicted (with room enough, and on a full tier that would have to evict).
+    Nothing is left behind and capacity accounting is unchanged, so the same tier takes the
+    good pages next."""
+    root = tmp_path / "disk"
+    stored = _fill(root)
+    good = [page(i) for i in range(PAGES, PAGES + 3)]
+    lying = (page(99)[0], good[1][1])  # good bytes under another page's hash
+
+    async def body() -> None:
+        async with open_disk(root, capacity_bytes=capacity_pages * REC) as tier:
+            before = (tier.stats.used_bytes, len(tier), segments(root))
+            with pytest.raises(InvalidKeyError, match="does not hash to its key"):
+                await tier.put_many([good[0], lying, good[2]])
+            assert (tier.stats.used_bytes, len(tier), segments(root)) == before
+            assert not list((root / "segments").glob("*.partial"))
+            assert [await tier.get(k) for k, _ in stored] == [d for _, d in stored]
+            await tier.put_many(good)
+            assert [await tier.get(k) for k, _ in good] == [d for _, d in good]
 
     run(body())
