@@ -33,7 +33,8 @@ def render_status(pools: Sequence[object], shards: Sequence[object]) -> str:
         mem_total = mem_used + p.pages_free.get(Tier.MEMORY, 0)
         seals = p.dedup_hits + mem_used
         # Integrity and security signals make a pool's health line, not only its liveness.
-        health = "ok" if not (p.collisions or p.quarantines or p.lost_blocks) else "WARN"
+        signals = (p.collisions, p.quarantines, p.rotten_blocks, p.lost_blocks)
+        health = "WARN" if any(signals) else "ok"
         rows.append(
             [
                 p.name,
@@ -44,12 +45,13 @@ def render_status(pools: Sequence[object], shards: Sequence[object]) -> str:
                 f"{seals / mem_used:.2f}" if mem_used else "-",
                 str(p.collisions),
                 str(p.quarantines),
+                str(p.rotten_blocks),
                 health,
             ]
         )
     header = ["pool", "node", "mem pages", "disk blocks", "blocks", "dedup", "collisions"]
     lines = [f"pools: {len(rows)} up, {len(down)} down"]
-    lines += _table([*header, "quarantines", "health"], rows)
+    lines += _table([*header, "quarantines", "rotten", "health"], rows)
     lines += [f"{d}" for d in down]
     srows, sdown = [], []
     for s in shards:

@@ -123,6 +123,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(name="tessera_disk_quarantines", kind=_C, tag_keys=_POOL,
                description="Disk records that failed verification and were quarantined "
                "(data-integrity signal)"),
+    MetricSpec(name="tessera_memory_rotten_blocks", kind=_C, tag_keys=_POOL,
+               description="Blocks dropped from a pool's memory because their bytes no longer "
+               "matched their seal when a consumer had them checked (data-integrity signal)"),
     MetricSpec(name="tessera_transfer_bytes", kind=_C, tag_keys=_POOL,
                description="Bytes of blocks pulled from other pools and installed"),
     MetricSpec(name="tessera_transfer_latency_seconds", kind=_H, tag_keys=_POOL,

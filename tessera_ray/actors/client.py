@@ -39,6 +39,7 @@ from tessera_ray.actors.directory import (
 from tessera_ray.actors.exporter import export_directory_stats, export_pool_status, pool_tags
 from tessera_ray.actors.links import group_by_shard
 from tessera_ray.actors.messages import (
+    BlockCheck,
     BlockRead,
     EvictionReport,
     PinTicket,
@@ -311,6 +312,10 @@ class PoolActor:
         """Payloads with the block hashes to check them against (see :class:`BlockRead`)."""
         await self._start()
         return await self.svc.read_blocks(namespace, keys)
+
+    async def check_blocks(self, namespace: Access, keys: list[TokenKey]) -> list[BlockCheck]:
+        await self._start()
+        return await self.svc.check_blocks(namespace, keys)
 
     async def attend(
         self,
@@ -909,6 +914,16 @@ class TesseraClient:
         )
         return blocks
 
+    async def acheck_blocks(
+        self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
+    ) -> list[BlockCheck]:
+        """Have ``pool`` re-hash blocks whose bytes a consumer could not verify; it drops the
+        ones that rotted in its memory (see :class:`BlockCheck`)."""
+        checks: list[BlockCheck] = await self.pool(pool).check_blocks.remote(
+            namespace, list(token_keys)
+        )
+        return checks
+
     async def aevict(self, pool: str, num_blocks: int) -> EvictionReport:
         report: EvictionReport = await self.pool(pool).evict.remote(num_blocks)
         return report
@@ -945,6 +960,11 @@ class TesseraClient:
         self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
     ) -> list[np.ndarray | None]:
         return _run(self.aread(namespace, token_keys, pool=pool))
+
+    def check_blocks(
+        self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
+    ) -> list[BlockCheck]:
+        return _run(self.acheck_blocks(namespace, token_keys, pool=pool))
 
     def evict(self, pool: str, num_blocks: int) -> EvictionReport:
         return _run(self.aevict(pool, num_blocks))

@@ -50,6 +50,7 @@ def export_pool_status(
     metrics.set_total("tessera_blocks_spilled", status.spills, tags)
     metrics.set_total("tessera_blocks_lost", status.lost_blocks, tags)
     metrics.set_total("tessera_disk_quarantines", status.quarantines, tags)
+    metrics.set_total("tessera_memory_rotten_blocks", status.rotten_blocks, tags)
     for (src, dst, reason), count in (fallbacks or {}).items():
         fb_tags = {**tags, "from_kind": src, "to_kind": dst, "reason": reason}
         metrics.set_total("tessera_transport_fallbacks", count, fb_tags)

@@ -7,6 +7,7 @@ answered by a list aligned with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -19,6 +20,7 @@ __all__ = [
     "PinnedBlock",
     "PinTicket",
     "BlockRead",
+    "BlockCheck",
     "BlockRef",
     "EvictionReport",
     "InstallResult",
@@ -79,6 +81,20 @@ class BlockRead:
     block_hash: BlockHash
     payload: np.ndarray
     """uint8 ``[block_bytes]``, every layer group's pages in order."""
+
+
+class BlockCheck(StrEnum):
+    """What a pool found when asked to check a block a consumer could not verify."""
+
+    INTACT = "intact"
+    """Its bytes here still match its seal: the consumer's copy went bad on the way."""
+    DROPPED = "dropped"
+    """Its bytes here rotted: the block left this pool's memory (never served again from it;
+    a verified disk copy, if any, stays) and the next store of its key installs it afresh."""
+    IN_USE = "in_use"
+    """Rotten, but other readers hold it right now; ask again once they are done."""
+    ABSENT = "absent"
+    """Not in this pool's memory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +173,9 @@ class PoolStatus:
     """How this pool pulls blocks: ``nixl`` (one-sided reads) or ``object-store``."""
     quarantines: int = 0
     """Disk records that failed verification and were quarantined (cumulative)."""
+    rotten_blocks: int = 0
+    """Blocks dropped from memory because their bytes no longer matched their seal when a
+    consumer had them checked (cumulative)."""
     pages_used: dict[Tier, int] = field(default_factory=dict)
     """Pages in use per tier (disk: pages of the blocks stored there); no disk key: no tier."""
     pages_free: dict[Tier, int] = field(default_factory=dict)

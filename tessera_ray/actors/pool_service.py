@@ -37,6 +37,7 @@ from tessera_ray.actors.directory import Registration, Replica, Tier
 from tessera_ray.actors.disk_blocks import DiskBlocks
 from tessera_ray.actors.links import DirectoryLink
 from tessera_ray.actors.messages import (
+    BlockCheck,
     BlockRead,
     BlockRef,
     EvictionReport,
@@ -126,6 +127,7 @@ class PoolService(TransferMixin):
         self._pins: dict[int, _Lease] = {}
         self._seeds: dict[str, int] = {}
         self.spills = self.restores = self.lost = self.transfers_in = self.bytes_in = 0
+        self.rotten = 0
         self.transport: Transport | None = None
 
     # ------------------------------------------------------------------ helpers
@@ -483,6 +485,52 @@ class PoolService(TransferMixin):
         finally:
             self.unpin(ticket.id)
 
+    async def check_blocks(
+        self, access: Access, token_keys: Sequence[TokenKey]
+    ) -> list[BlockCheck]:
+        """Re-hash the blocks a consumer could not verify and drop those whose bytes here no
+        longer match their seal (see :class:`BlockCheck`). Any reader may ask: the pool only
+        acts on what it proves itself, so a false report costs one hash pass, nothing more."""
+        self.reap()
+        namespace = self.gate.resolve(access, write=False)
+        self._check_keys(namespace, token_keys)
+        out: list[BlockCheck] = []
+        dropped: list[tuple[str, BlockHash]] = []
+        for key in token_keys:
+            per_group = self._reference(namespace, key)
+            if per_group is None:
+                out.append(BlockCheck.ABSENT)
+                continue
+            try:
+                intact = all(
+                    pool.verify(h)
+                    for pool, handles in zip(self.pools, per_group, strict=True)
+                    for h in handles
+                )
+            finally:
+                for pool, handles in zip(self.pools, per_group, strict=True):
+                    pool.release_many(handles)
+            if intact:
+                out.append(BlockCheck.INTACT)
+                continue
+            # Evicted without a copy: the rotten bytes must not reach the disk tier either. As
+            # in _evict_block, the first layer group decides (references span every group). A
+            # rotten page another block shares stays for that block, until it is checked too.
+            first, *rest = self.pools
+            if first.evict_block(namespace, key, copy_data=False) is None:
+                out.append(BlockCheck.IN_USE)
+                continue
+            for pool in rest:
+                pool.evict_block(namespace, key, copy_data=False)
+            self.rotten += 1
+            bh = self._resident.pop((namespace, key), None)
+            if bh is not None:
+                dropped.append((namespace, bh))
+            out.append(BlockCheck.DROPPED)
+        if dropped and self.directory is not None:
+            await self.directory.drop(self.name, dropped, Tier.MEMORY)
+        return out
+
     def read_pinned(self, pin_id: int) -> np.ndarray:
         """The pinned blocks' payloads, ``[blocks held, block_bytes]`` (the object-store path)."""
         lease = self._pins.get(pin_id)
@@ -686,6 +734,7 @@ class PoolService(TransferMixin):
             spills=self.spills,
             restores=self.restores,
             lost_blocks=self.lost,
+            rotten_blocks=self.rotten,
             transfers_in=self.transfers_in,
             bytes_in=self.bytes_in,
             transport=self.transport.kind if self.transport is not None else "object-store",

@@ -180,6 +180,15 @@ class BlockPool:
             raise PageNotSealedError(f"page {rec.index} is not sealed; it has no content hash yet")
         return ContentHash(rec.digest)
 
+    def verify(self, handle: PageHandle) -> bool:
+        """Whether a sealed page's bytes still hash to the digest it was sealed with (memory
+        is trusted between checks; a consumer that saw bad bytes asks the pool to look)."""
+        rec = self._resolve(handle)
+        if rec.state != SEALED:
+            raise PageNotSealedError(f"page {rec.index} is not sealed; it has no content hash yet")
+        seed = self._dedup.seeds[rec.namespace]
+        return bool(self._hash(self._page_buffer(rec.index), seed) == rec.digest)
+
     def refcount(self, handle: PageHandle) -> int:
         return self._resolve(handle).refcount
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.links import LocalDirectory
-from tessera_ray.actors.messages import BlockRead
+from tessera_ray.actors.messages import BlockCheck, BlockRead
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access
 from tessera_ray.core import block_hash, content_seed, xxh3_128
@@ -124,6 +124,12 @@ class TierBackend(abc.ABC):
         lookup, owner gone). Not verified here."""
 
     @abc.abstractmethod
+    def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
+        """The blocks under ``keys`` came back with bytes that do not match their hash: the
+        tier checks its own copies and drops the ones that rotted, so the next save of those
+        keys stores them afresh instead of every later request recomputing them."""
+
+    @abc.abstractmethod
     def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
         """Store ``payloads[i]`` (uint8 ``[len(keys), block_bytes]``) under ``keys[i]``."""
 
@@ -151,6 +157,9 @@ class LocalTier(TierBackend):
 
     def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
         return self._run(self.service.read_blocks(namespace, list(keys)))
+
+    def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
+        return self._run(self.service.check_blocks(namespace, list(keys)))
 
     def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
         self._run(self.service.store(namespace, list(keys), payloads))
@@ -208,6 +217,12 @@ class RayTier(TierBackend):
 
     def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
         return self._run(self._read(namespace, list(keys)))
+
+    def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
+        # Reads are served by this pool (fetched into it first), so its copies are the suspects.
+        return self._run(
+            self.client.acheck_blocks(self._access(namespace), list(keys), pool=self.pool)
+        )
 
     def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
         self._run(self.client.astore(self._access(namespace), list(keys), payloads, pool=self.pool))

@@ -130,6 +130,7 @@ class WorkerMover:
         for load in loads:
             by_ns.setdefault(load.namespace, []).append(load)
         staged: list[np.ndarray] = []
+        unverified: dict[str, list[TokenKey]] = {}
         for namespace, group in by_ns.items():
             keys = [k for load in group for k in load.token_keys]
             try:
@@ -140,9 +141,14 @@ class WorkerMover:
             it = iter(blocks)
             for load in group:
                 ok = True
-                for block_id, looked_up in zip(load.block_ids, load.block_hashes, strict=True):
+                for block_id, key, looked_up in zip(
+                    load.block_ids, load.token_keys, load.block_hashes, strict=True
+                ):
                     block = next(it)
-                    ok = ok and block is not None and self._verified(namespace, block, looked_up)
+                    if ok and block is not None and not self._verified(namespace, block, looked_up):
+                        unverified.setdefault(namespace, []).append(key)
+                        block = None
+                    ok = ok and block is not None
                     if ok:
                         assert block is not None
                         outcome.block_ids.append(block_id)
@@ -154,6 +160,11 @@ class WorkerMover:
                         outcome.failed_requests.add(load.req_id)
         if staged:
             outcome.rows = torch.from_numpy(np.stack(staged))
+        for namespace, keys in unverified.items():
+            try:  # the tier drops what rotted in it, so the next save stores it afresh
+                self.tier.report_unverified(namespace, keys)
+            except Exception as exc:
+                log.warning("reporting %d unverified blocks failed: %s", len(keys), exc)
         return outcome
 
     def _verified(self, namespace: str, block: BlockRead, looked_up: BlockHash) -> bool:

@@ -230,3 +230,44 @@ def test_a_touched_hit_is_evicted_after_older_blocks() -> None:
     report = run(pool.evict(1))
     assert [r.token_key for r in report.lost] == [ks[1]]
     assert pool.contains(NS, ks) == [Tier.MEMORY, None, Tier.MEMORY]
+
+
+def _rot(pool: PoolService, key: bytes, group: int = 0, page: int = 1) -> None:
+    """Flip a byte of one page of ``key``'s block in the pool's memory, as bad RAM would."""
+    handles = pool.pools[group].lookup(NS, key)
+    assert handles is not None
+    slot = handles[page].offset // handles[page].length
+    pool.pools[group].data[slot, 17] ^= 0x08
+    pool.pools[group].release_many(list(handles))
+
+
+def test_check_blocks_drops_what_rotted_in_memory_and_nothing_else() -> None:
+    from tessera_ray.actors.messages import BlockCheck
+
+    d = LocalDirectory(2)
+    pool = make(directory=d)
+    ks, data = keys(3), payloads(3, 5, pool.block_bytes)
+    run(pool.store(NS, ks, data))
+    missing = keys(1, start=50)[0]
+    _rot(pool, ks[1])
+
+    ticket = run(pool.pin(NS, [ks[1]]))  # a reader holds the rotten block: it cannot leave yet
+    checks = run(pool.check_blocks(NS, [*ks, missing]))
+    assert checks == [BlockCheck.INTACT, BlockCheck.IN_USE, BlockCheck.INTACT, BlockCheck.ABSENT]
+    assert pool.contains(NS, [ks[1]]) == [Tier.MEMORY]
+    pool.unpin(ticket.id)
+
+    assert run(pool.check_blocks(NS, [ks[1]])) == [BlockCheck.DROPPED]
+    assert pool.contains(NS, ks) == [Tier.MEMORY, None, Tier.MEMORY]
+    assert run(d.lookup(NS, [ks[1]])) == [None]  # the directory forgot the replica
+    assert pool.status().rotten_blocks == 1
+    read = run(pool.read_blocks(NS, ks))
+    assert read[1] is None
+    assert all(np.array_equal(r.payload, w) for r, w in zip(read[::2], data[::2], strict=True) if r)
+    # The next store of the key installs the good bytes afresh.
+    run(pool.store(NS, [ks[1]], data[1:2]))
+    again = run(pool.read_blocks(NS, [ks[1]]))[0]
+    assert again is not None and np.array_equal(again.payload, data[1])
+    assert run(pool.check_blocks(NS, ks)) == [BlockCheck.INTACT] * 3
+    for p in pool.pools:
+        p.check_consistency()

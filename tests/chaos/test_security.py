@@ -126,6 +126,7 @@ def test_tenants_cannot_reach_each_other_without_a_grant(
         lambda acc: chaos_tier.lookup(acc, keys),
         lambda acc: chaos_tier.fetch(acc, keys, into=other),
         lambda acc: chaos_tier.read(acc, keys, pool=pool),
+        lambda acc: chaos_tier.check_blocks(acc, keys, pool=pool),
         lambda acc: chaos_tier.store(
             acc, _keys(chaos_tier, "tenant-a", 1, 9), rows[:1], pool=other
         ),

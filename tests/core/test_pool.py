@@ -54,6 +54,17 @@ def test_allocate_write_seal_read(pool: BlockPool) -> None:
     assert (s.pages_used, s.pages_free, s.pages_sealed) == (1, 15, 1)
 
 
+def test_verify_tells_a_sealed_page_whose_bytes_rotted(pool: BlockPool) -> None:
+    from tessera_ray.errors import PageNotSealedError
+
+    good, bad = sealed(pool, 3), sealed(pool, 4, ns="u")
+    assert pool.verify(good.handle) and pool.verify(bad.handle)
+    pool.data[pool.slot(bad.handle), 9] ^= 0x01  # bad RAM, a stray write
+    assert pool.verify(good.handle) and not pool.verify(bad.handle)
+    with pytest.raises(PageNotSealedError):
+        pool.verify(pool.allocate())
+
+
 def test_equal_bytes_share_one_page(pool: BlockPool) -> None:
     a = sealed(pool, 7)
     b = sealed(pool, 7)

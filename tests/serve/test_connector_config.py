@@ -169,7 +169,8 @@ def _mover(tier: LocalTier, num_blocks: int) -> tuple[WorkerMover, dict[str, tor
 def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> None:
     """Under one token key the pool may hold other valid bytes than the lookup saw (an engine
     whose KV is not bitwise reproducible stored it): loaded, not recomputed on every request.
-    Bytes that no longer match the pool's own seal are refused, and nothing of them lands."""
+    Bytes that no longer match the pool's own seal are refused, nothing of them lands, and
+    the pool, told so, drops its rotten copy so that the next save replaces it."""
     tier = LocalTier(LAYOUT, num_blocks=4, device="cpu", timeout_s=10.0)
     rng = np.random.default_rng(1)
     rows = rng.integers(0, 256, (2, LAYOUT.block_bytes), dtype=np.uint8)
@@ -177,7 +178,8 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     tier.store("ns", keys, rows)
     other = rng.integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8)
     seen_by_lookup = payload_block_hash(LAYOUT, "ns", other)  # what another pool sealed
-    load = BlockLoad("r", "ns", (2, 0), tuple(keys), (seen_by_lookup, tier.lookup("ns", keys)[1]))
+    hashes = tier.lookup("ns", keys)
+    load = BlockLoad("r", "ns", (2, 0), tuple(keys), (seen_by_lookup, hashes[1]))
     mover, caches = _mover(tier, 3)
     plan = StepPlan(loads=(load,))
     mover.start(plan)
@@ -203,3 +205,13 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     mover.finish(plan)
     assert mover.take_load_errors() == {2, 0}
     assert all(not kv.any() for kv in caches.values())
+    # The connector reported the block; the pool proved it rotten and dropped it, so the save
+    # that follows vLLM's recompute stores it afresh and the next request loads it.
+    assert tier.service.status().rotten_blocks == 1
+    assert tier.lookup("ns", keys) == [None, hashes[1]]
+    tier.store("ns", keys[:1], rows[:1])
+    mover, caches = _mover(tier, 3)
+    plan = StepPlan(loads=(load,))
+    mover.start(plan)
+    mover.finish(plan)
+    assert mover.take_load_errors() == set()

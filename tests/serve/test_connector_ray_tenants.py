@@ -13,6 +13,7 @@ import pytest
 
 from tessera_ray.actors.client import TesseraClient
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+from tessera_ray.actors.messages import BlockCheck
 from tessera_ray.core import token_key
 from tessera_ray.errors import TenantError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
@@ -58,6 +59,8 @@ def test_ray_backend_issues_credentials_from_the_secret_file(
     assert all(g is not None for g in got)
     assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
     assert [g.block_hash for g in got if g is not None] == hashes
+    # Asked to check blocks a load could not verify, the pool finds its copies sound.
+    assert tier.report_unverified(ns, keys) == [BlockCheck.INTACT] * 2
     # Another tenant namespace sees none of it, though it asks with the same keys.
     assert tier.lookup("vllm/tenant-y", keys) == [None, None]
 
