@@ -181,6 +181,24 @@ def test_directory_shard_restart_misses_then_rebuilds(
     assert all(r.replicas[0].pool == pool for r in after if r)
 
 
+def test_a_purged_pool_that_answers_is_learned_again(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    """A purge decided on a pool that only looked dead (a restart that already re-announced
+    its disk, a busy pool, a client that found it unavailable) wipes replicas the pool still
+    holds; the shards re-learn them from its inventory once it answers."""
+    pool = tier.pool_on(tessera_cluster.node_ids[1])
+    keys, data = prefix("purged", 5, salt=6), blocks(5, 6)
+    stored = tier.store("purged", keys, data, pool=pool)
+    tier.purge_pool(pool)  # as a client that saw it unavailable does; it is alive
+    assert tier.lookup("purged", keys) == [None] * 5  # misses for now: slower, never wrong
+    assert tier.wait_rebuilt(20)  # the shards re-learned it (the wait covers that too)
+    found = tier.lookup("purged", keys)
+    assert [r.block_hash if r else None for r in found] == [s.block_hash for s in stored]
+    assert all(r.replicas[0].pool == pool for r in found if r)
+    assert np.array_equal(np.stack(tier.read("purged", keys, pool=pool)), data)
+
+
 def test_dead_pool_is_purged_and_requests_fall_back(
     tier: TesseraClient, tessera_cluster: SimCluster
 ) -> None:

@@ -266,7 +266,14 @@ def test_every_acknowledged_block_is_served_at_the_end(
             if ledger.check_digest(cred.namespace, k, r):
                 present += 1
             elif (cred.namespace, k) not in ledger.destroyed:
-                lost.append(k[:6].hex())
+                # Where the tier thinks it is, and which pools hold it: tells a directory that
+                # forgot a block from a pool that lost it.
+                known = chaos_tier.lookup(cred, [k])[0]
+                held = [
+                    ray.get(chaos_tier.pool(p).contains.remote(cred, [k]))[0]
+                    for p in chaos_tier.pools
+                ]
+                lost.append(f"{k[:6].hex()}: directory {known is not None}, pools hold {held}")
     destroyed_gone = len(keys) - present - len(lost)
     ledger.figures["final_accounting"] = {
         "acknowledged": len(keys),
