@@ -13,8 +13,10 @@ of 1 MiB pages. Per case, in the reader actor, interleaved so noise hits all ali
   copies them into its slots (what the Ray fallback does, without verification). Target >= 2.
 - ``memcpy``: the same bytes copied within the reader's process. Reported.
 
-Two more rows split the full path: ``fetch_owner_call`` (the owner's lookup + pin + export, one
-actor round trip, ms) and ``fetch_read_verify_seal`` (the reader's part, GB/s).
+Three more rows split the full path: ``fetch_owner_call`` (the owner's lookup + pin + export,
+one actor round trip, ms), ``actor_noop_call`` (the same actors' round trip for a method that
+does nothing, ms: Ray's floor under the owner call) and ``fetch_read_verify_seal`` (the
+reader's part, GB/s).
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class BenchNode:
         self.leases[id(export)] = handles
         return id(export), export
 
+    def noop(self) -> None:
+        """Nothing: the cost of a Ray actor call alone, for the owner round trip's split."""
+
     def unpin(self, lease: int) -> None:
         self.pool.release_many(self.leases.pop(lease))
 
@@ -116,7 +121,7 @@ class BenchNode:
         src = torch.randint(0, 256, (n, pool.page_bytes), dtype=torch.uint8)
         dst = torch.empty_like(src)
         times: dict[str, list[float]] = {"full": [], "raw": [], "ray": [], "memcpy": []}
-        parts: dict[str, list[float]] = {"owner_call": [], "read_verify_seal": []}
+        parts: dict[str, list[float]] = {"owner_call": [], "read_verify_seal": [], "noop": []}
         for rep in range(reps + 1):  # the first round warms every path up, untimed
             t_full = t = time.perf_counter()
             lease, export = ray.get(owner.pin_export.remote(keys))
@@ -150,11 +155,16 @@ class BenchNode:
             t = time.perf_counter()
             dst.copy_(src)
             copy = time.perf_counter() - t
+
+            t = time.perf_counter()
+            ray.get(owner.noop.remote())
+            noop = time.perf_counter() - t
             if rep:
                 for k, v in zip(times, (full, raw, via_ray, copy), strict=True):
                     times[k].append(v)
                 parts["owner_call"].append(t_call - t_full)
                 parts["read_verify_seal"].append(t_fetch - t_call)
+                parts["noop"].append(noop)
         nbytes = n * pool.page_bytes
         out = {k: nbytes / statistics.median(v) / GB for k, v in times.items()}
         out.update({f"{k}_ms": statistics.median(v) * 1e3 for k, v in parts.items()})
@@ -246,7 +256,9 @@ def main() -> None:
             why = (
                 f"the owner actor round trip (lookup + pin + export) takes "
                 f"{r['owner_call_ms']:.1f} ms of the "
-                f"{nbytes / r['full'] / 1e6:.1f} ms batch, and the reader's part (READ + hash "
+                f"{nbytes / r['full'] / 1e6:.1f} ms batch (a Ray actor call doing nothing: "
+                f"{r['noop_ms']:.1f} ms, against {nbytes / r['raw'] / 1e6:.1f} ms for the whole "
+                f"raw READ), and the reader's part (READ + hash "
                 f"every page + seal) runs at "
                 f"{nbytes / r['read_verify_seal_ms'] / 1e6 / r['raw']:.2f} of raw NIXL READ"
             )
@@ -287,6 +299,12 @@ def main() -> None:
                     value=r["owner_call_ms"],
                     unit="ms",
                     note=f"{note}; lookup + pin + export, one actor round trip",
+                ),
+                Row(
+                    name=f"actor_noop_call_{label}",
+                    value=r["noop_ms"],
+                    unit="ms",
+                    note=f"{note}; a Ray call of an owner method that does nothing, same actors",
                 ),
                 Row(
                     name=f"{full}_vs_memcpy",
