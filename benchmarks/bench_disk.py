@@ -38,6 +38,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
@@ -69,6 +70,17 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def _interleaved(sides: list[Callable[[], float]], repeat: int) -> list[float]:
+    """Median seconds of each side over ``repeat`` rounds; a round runs every side once, in
+    order on even rounds and in reverse on odd ones, so all see the same machine state."""
+    samples: list[list[float]] = [[] for _ in sides]
+    for r in range(repeat):
+        order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
+        for i in order:
+            samples[i].append(sides[i]())
+    return [statistics.median(s) for s in samples]
 
 
 def main() -> None:
@@ -156,18 +168,17 @@ def main() -> None:
                 os.close(fd)
                 os.close(dir_fd)
 
-        tier_s, raw_s, proto_s = [], [], []
-        for r in range(repeat):
-            for side in (0, 1, 2) if r % 2 == 0 else (2, 1, 0):
-                if side == 0:
-                    tier_s.append(tier_write_timed())
-                elif side == 1:
-                    raw_s.append(time_median(raw_write, repeat=1, warmup=0))
-                else:
-                    proto_s.append(time_median(protocol_write, repeat=1, warmup=0))
-        write_gbs = total / statistics.median(tier_s) / GB
-        raw_write_gbs = total / statistics.median(raw_s) / GB
-        proto_gbs = total / statistics.median(proto_s) / GB
+        write_gbs, raw_write_gbs, proto_gbs = (
+            total / s / GB
+            for s in _interleaved(
+                [
+                    tier_write_timed,
+                    lambda: time_median(raw_write, repeat=1, warmup=0),
+                    lambda: time_median(protocol_write, repeat=1, warmup=0),
+                ],
+                repeat,
+            )
+        )
 
         # Reads: the last written tier, cold.
         tier = tiers[-1]
@@ -219,18 +230,9 @@ def main() -> None:
                     f.readinto(memoryview(seg_buf))
             return time.perf_counter() - start
 
-        read_s, rawr_s, segr_s = [], [], []
-        for r in range(repeat):
-            for side in (0, 1, 2) if r % 2 == 0 else (2, 1, 0):
-                if side == 0:
-                    read_s.append(tier_read())
-                elif side == 1:
-                    rawr_s.append(raw_read())
-                else:
-                    segr_s.append(segments_read())
-        read_gbs = total / statistics.median(read_s) / GB
-        raw_read_gbs = total / statistics.median(rawr_s) / GB
-        seg_read_gbs = total / statistics.median(segr_s) / GB
+        read_gbs, raw_read_gbs, seg_read_gbs = (
+            total / s / GB for s in _interleaved([tier_read, raw_read, segments_read], repeat)
+        )
         for t in tiers:
             loop.run_until_complete(t.close())
         loop.close()
