@@ -5,8 +5,8 @@
   blocks from other pools (``fetch_from``): pin on the owner, move the bytes, verify every page
   against the owner's content hash, install, unpin.
 - :class:`DirectoryActor`: a thin shell over :class:`DirectoryShard`; named, restartable. After a
-  (re)start it rebuilds itself from the pools' inventories; it checks that pools are alive and
-  purges the replicas of dead ones.
+  (re)start it rebuilds itself from the pools' inventories; it checks that pools are alive,
+  purges the replicas of dead ones, and re-learns a purged pool that answers again.
 - :class:`TesseraClient`: starts or connects to the tier; store, lookup, fetch, status. Every
   call is batched: one directory round trip per shard per request.
 
