@@ -47,10 +47,11 @@ from tessera_ray.actors.messages import (
     StoredBlock,
 )
 from tessera_ray.actors.pool_service import PoolService
+from tessera_ray.actors.pool_transfer import is_hash_mismatch
 from tessera_ray.actors.tenancy import Access, Credential, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
 from tessera_ray.core.results import BlockHash, TokenKey
-from tessera_ray.errors import PoolUnavailableError, TransportError
+from tessera_ray.errors import PoolUnavailableError, TenantError, TransportError
 from tessera_ray.layout import ModelLayout, preset_layout
 from tessera_ray.metrics import get_metrics
 from tessera_ray.transport import PeerInfo, make_transport
@@ -189,6 +190,7 @@ class PoolActor:
             gate=TenantGate(tenant_secret),
         )
         self._incarnations: dict[str, int] = {}
+        self._reports: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly
         self.metrics = get_metrics()
         # One-sided reads need NIXL; without it (or with kind "ray") blocks move through the
         # object store (read_pinned + install), verified the same way.
@@ -373,6 +375,7 @@ class PoolActor:
             ticket: PinTicket = await asyncio.wait_for(owner.pin.remote(access, keys), timeout_s)
         except (*_DEAD, ValueError, TimeoutError) as exc:
             return [f"owner {owner_name} unavailable: {type(exc).__name__}"] * len(keys)
+        suspects: list[TokenKey] = []
         try:
             if ticket.namespace != namespace:
                 return [f"owner {owner_name} answered for another namespace"] * len(keys)
@@ -383,20 +386,23 @@ class PoolActor:
                     transport.remove_peers([owner_name])
                 self._incarnations[owner_name] = ticket.incarnation
             peer = await self._peer_of(owner_name, owner)
+            reasons: list[str | None]
             if peer is not None:
-                return await self.svc.fetch_pinned(ticket, peer, timeout_s)
-            held = [b for b in ticket.blocks if b is not None]
-            reasons: list[str | None] = [
-                None if b is not None else f"not held by {owner_name}" for b in ticket.blocks
-            ]
-            if held:
-                payload = await asyncio.wait_for(owner.read_pinned.remote(ticket.id), timeout_s)
-                result = await self.svc.install(namespace, held, payload)
-                errors = iter(result.errors)
+                reasons = await self.svc.fetch_pinned(ticket, peer, timeout_s)
+            else:
                 reasons = [
-                    next(errors) if b is not None else r
-                    for b, r in zip(ticket.blocks, reasons, strict=True)
+                    None if b is not None else f"not held by {owner_name}" for b in ticket.blocks
                 ]
+                held = [b for b in ticket.blocks if b is not None]
+                if held:
+                    payload = await asyncio.wait_for(owner.read_pinned.remote(ticket.id), timeout_s)
+                    result = await self.svc.install(namespace, held, payload)
+                    errors = iter(result.errors)
+                    reasons = [
+                        next(errors) if b is not None else r
+                        for b, r in zip(ticket.blocks, reasons, strict=True)
+                    ]
+            suspects = [k for k, r in zip(keys, reasons, strict=True) if is_hash_mismatch(r)]
             return reasons
         except (*_DEAD, TimeoutError, TransportError) as exc:
             # The owner died mid-read (or its agent went away): the fetch gave its reserved
@@ -406,7 +412,26 @@ class PoolActor:
                 self.svc.transport.remove_peers([owner_name])
             return [f"transfer from {owner_name} failed: {type(exc).__name__}"] * len(keys)
         finally:
-            owner.unpin.remote(ticket.id)  # fire and forget: the lease ends it anyway
+            unpinned = owner.unpin.remote(ticket.id)  # not awaited: the lease ends it anyway
+            if suspects:
+                task = asyncio.get_running_loop().create_task(
+                    self._report(owner, unpinned, access, suspects)
+                )
+                self._reports.add(task)
+                task.add_done_callback(self._reports.discard)
+
+    async def _report(
+        self, owner: Any, unpinned: Any, access: Access, keys: list[TokenKey]
+    ) -> None:
+        """Blocks whose bytes arrived hashing otherwise than sealed: the owner checks its copy
+        and drops it if it rotted, or every later fetch of it would fail the same way. Sent
+        once this fetch's unpin has landed (a block still pinned cannot be dropped), in the
+        background: the fetch's outcome does not wait for it."""
+        try:
+            await unpinned
+            await owner.check_blocks.remote(access, keys)
+        except (*_DEAD, TenantError) as exc:
+            log.warning("could not have %d blocks checked by their owner: %s", len(keys), exc)
 
 
 @ray.remote(num_cpus=0)

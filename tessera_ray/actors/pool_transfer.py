@@ -25,12 +25,23 @@ from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import PageShapeError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import PeerInfo, Transport
-from tessera_ray.transport.fetch import FetchResult, PageExport, fetch_verified_many
+from tessera_ray.transport.fetch import (
+    FailureReason,
+    FetchResult,
+    PageExport,
+    fetch_verified_many,
+)
 
 if TYPE_CHECKING:
     from tessera_ray.actors.messages import Reservation
 
-__all__ = ["TransferMixin"]
+__all__ = ["TransferMixin", "is_hash_mismatch"]
+
+
+def is_hash_mismatch(reason: str | None) -> bool:
+    """Whether a fetch's reason for a block says its bytes arrived hashing otherwise than the
+    owner sealed them (corrupted on the way, or rotted in the owner's memory)."""
+    return reason is not None and FailureReason.HASH_MISMATCH.value in reason
 
 
 class TransferMixin:
@@ -114,8 +125,9 @@ class TransferMixin:
                 offset += pool.page_bytes
                 if xxh3_128(memoryview(page.data), seed) != want:
                     return (
-                        f"block {block.token_key[:4].hex()}...: page {layer} of group {g} does not "
-                        f"match the owner's content hash; not installed"
+                        f"block {block.token_key[:4].hex()}...: {FailureReason.HASH_MISMATCH}: "
+                        f"page {layer} of group {g} does not match the owner's content hash; "
+                        "not installed"
                     )
         return None
 

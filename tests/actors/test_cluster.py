@@ -18,6 +18,7 @@ from tessera_ray.actors.directory import Tier
 from tessera_ray.actors.messages import PoolStatus
 from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
+from tessera_ray.transport import PeerInfo
 from tests.conftest import SimCluster
 
 pytestmark = pytest.mark.ray
@@ -197,6 +198,59 @@ def test_a_purged_pool_that_answers_is_learned_again(
     assert [r.block_hash if r else None for r in found] == [s.block_hash for s in stored]
     assert all(r.replicas[0].pool == pool for r in found if r)
     assert np.array_equal(np.stack(tier.read("purged", keys, pool=pool)), data)
+
+
+def _rot(info: PeerInfo, slot: int) -> None:
+    """Overwrite 64 bytes of page ``slot`` (group 0) in a pool actor's registered memory with a
+    one-sided NIXL WRITE from this process, as a stray DMA or bad RAM would."""
+    import torch
+
+    from tessera_ray.transport.nixl import import_nixl
+
+    nixl_agent, nixl_agent_config = import_nixl()
+    agent = nixl_agent(f"rot-{time.monotonic_ns()}", nixl_agent_config(backends=["UCX"]))
+    junk = torch.full((64,), 0x5A, dtype=torch.uint8)
+    reg = agent.register_memory(junk)
+    peer = agent.add_remote_agent(info.metadata)
+    region = info.regions[0]
+    target = np.array([[region.base_addr + slot * region.page_bytes + 128, 64, 0]], np.uint64)
+    xfer = agent.initialize_xfer(
+        "WRITE", agent.get_xfer_descs(junk), agent.get_xfer_descs(target, "DRAM"), peer
+    )
+    state, deadline = agent.transfer(xfer), time.monotonic() + 10
+    while state == "PROC" and time.monotonic() < deadline:
+        state = agent.check_xfer_state(xfer)
+    assert state == "DONE", state
+    agent.release_xfer_handle(xfer)
+    agent.remove_remote_agent(peer)
+    agent.deregister_memory(reg)
+
+
+def test_a_block_that_rotted_in_its_owner_is_dropped_there_after_a_failed_fetch(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    """A reader whose fetch finds bytes hashing otherwise than sealed tells the owner, which
+    re-hashes its copy, drops it (it rotted), so the next store of the key replaces it."""
+    owner, _, reader = (tier.pool_on(n) for n in tessera_cluster.node_ids)
+    keys, data = prefix("rot", 3, salt=7), blocks(3, 7)
+    tier.store("rot", keys, data, pool=owner)
+    actor = tier.pool(owner)
+    ticket = ray.get(actor.pin.remote("rot", [keys[1]]))
+    ray.get(actor.unpin.remote(ticket.id))
+    info = ray.get(actor.peer_info.remote())
+    if info is None:
+        pytest.skip("the pools move blocks through the object store here (no NIXL)")
+    _rot(info, ticket.blocks[0].slots[0][0])
+    result = tier.fetch("rot", keys, into=reader)
+    assert set(result.fetched) == {keys[0], keys[2]} and keys[1] not in result.available
+    deadline = time.monotonic() + 20  # the report is sent without waiting for it
+    while ray.get(actor.status.remote()).rotten_blocks == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(actor.status.remote()).rotten_blocks == 1
+    assert ray.get(actor.contains.remote("rot", keys)) == [Tier.MEMORY, None, Tier.MEMORY]
+    tier.store("rot", keys[1:2], data[1:2], pool=owner)
+    assert set(tier.fetch("rot", keys[1:2], into=reader).fetched) == {keys[1]}
+    assert np.array_equal(np.stack(tier.read("rot", keys, pool=reader)), data)
 
 
 def test_dead_pool_is_purged_and_requests_fall_back(
