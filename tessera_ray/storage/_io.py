@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tessera_ray.errors import InvalidKeyError
+from tessera_ray.storage import _direct as D
 from tessera_ray.storage import _files as F
 from tessera_ray.storage._format import HEADER_BYTES, pack_header, parse_header, record_check
 from tessera_ray.storage.keys import ContentHasher
@@ -92,12 +93,15 @@ def write_segment(
     fingerprint: bytes,
     items: list[tuple[bytes, memoryview]],
     digests: list[bytes],
+    *,
+    direct: bool = False,
 ) -> int:
     """Atomically create one segment: ``.partial``, fsync, rename, fsync of the directory.
 
     A crash at any point leaves either no segment or the whole one; the ``.partial`` a killed
     writer leaves is deleted when the root is next opened. ``digests[i]`` is the payload digest
     of ``items[i]`` (from :func:`digest_batch`), so the payloads are not hashed again here.
+    ``direct`` writes around the page cache (see ``_direct``); the protocol is the same.
     """
     path = seg_dir / name
     partial = seg_dir / (name + F.PARTIAL_SUFFIX)
@@ -105,10 +109,16 @@ def write_segment(
     for (key, view), digest in zip(items, digests, strict=True):
         bufs.append(pack_header(fingerprint, key, view.nbytes, digest))
         bufs.append(view)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    total = sum(HEADER_BYTES + v.nbytes for _, v in items)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    fd = os.open(partial, flags, 0o644)
     try:
-        write_all(fd, bufs)
-        os.fsync(fd)
+        if direct:
+            D.write_direct(fd, bufs, total)
+            os.fdatasync(fd)  # covers the new size: what reading the data back needs
+        else:
+            write_all(fd, bufs)
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         partial.unlink(missing_ok=True)  # ENOSPC mid-write: give the space back
@@ -116,7 +126,7 @@ def write_segment(
     os.close(fd)
     os.rename(partial, path)
     F.fsync_dir(seg_dir)
-    return sum(HEADER_BYTES + v.nbytes for _, v in items)
+    return total
 
 
 def verify_record(
@@ -170,6 +180,104 @@ def _read_one(fd: int, item: ReadItem) -> tuple[bytes, bytes]:
     return head, os.pread(fd, item.payload_len, item.offset + HEADER_BYTES)
 
 
+_WINDOW_GAP_BYTES = 1 << 20
+"""Records further apart than this are read with separate direct reads, not one spanning the
+unwanted bytes between them."""
+
+
+def _windows(plan: list[ReadItem], idxs: list[int]) -> list[list[int]]:
+    """Indices of records (sorted by offset) cut into runs that one staging-sized read
+    covers."""
+    runs: list[list[int]] = []
+    start = end = 0
+    for i in idxs:
+        item = plan[i]
+        rec_end = item.offset + HEADER_BYTES + item.payload_len
+        if (
+            runs
+            and item.offset - end <= _WINDOW_GAP_BYTES
+            and D.align_up(rec_end) - D.align_down(start) <= D.STAGING_BYTES
+        ):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+            start = item.offset
+        end = rec_end
+    return runs
+
+
+def _check_out(i: int, out: memoryview, item: ReadItem) -> None:
+    if out.nbytes < item.payload_len:
+        raise ValueError(
+            f"output buffer {i} holds {out.nbytes} B, the page has {item.payload_len} B"
+        )
+
+
+class _SegmentReader:
+    """Reads and verifies the records of one open segment file (see :func:`read_records`)."""
+
+    def __init__(
+        self,
+        fd: int,
+        plan: list[ReadItem],
+        outs: list[memoryview] | None,
+        fingerprint: bytes,
+        hashing: Hashing,
+    ) -> None:
+        self.fd = fd
+        self.plan = plan
+        self.outs = outs
+        self.fingerprint = fingerprint
+        self.hashing = hashing
+
+    def buffered(self, idxs: list[int]) -> Iterator[tuple[int, str | None, bytes | int]]:
+        # In file order, one record at a time: each read returns as soon as its record is in,
+        # so verifying it overlaps the kernel's readahead of the next ones (reading a whole
+        # batch with one preadv measured slower: nothing is verified until all of it arrived).
+        scratch = memoryview(bytearray(HEADER_BYTES))
+        for i in idxs:
+            item = self.plan[i]
+            head: bytes | memoryview
+            if self.outs is None:
+                # Returned as bytes: pread allocates them, so one read per part, no copy.
+                head, data = _read_one(self.fd, item)
+                view = memoryview(data)
+                reason = verify_record(item, head, view, self.fingerprint, self.hashing)
+                yield i, reason, data
+            else:
+                _check_out(i, self.outs[i], item)
+                head, view = _read_into(self.fd, item, self.outs[i], scratch)
+                reason = verify_record(item, head, view, self.fingerprint, self.hashing)
+                yield i, reason, item.payload_len
+
+    def direct(self, idxs: list[int]) -> Iterator[tuple[int, str | None, bytes | int]]:
+        # Whole windows of records per aligned read, verified in the staging buffer: only
+        # bytes that passed verification ever reach the caller's buffer.
+        plan = self.plan
+        for run in _windows(plan, idxs):
+            first, last = plan[run[0]], plan[run[-1]]
+            end = last.offset + HEADER_BYTES + last.payload_len
+            verdicts: list[tuple[int, str | None, bytes | int]] = []
+            with D.read_direct(self.fd, first.offset, end) as (buf, base):
+                for i in run:
+                    item = plan[i]
+                    if self.outs is not None:
+                        _check_out(i, self.outs[i], item)
+                    rel = base + item.offset - first.offset
+                    head = buf[rel : rel + HEADER_BYTES]
+                    body = buf[rel + HEADER_BYTES : rel + HEADER_BYTES + item.payload_len]
+                    reason = verify_record(item, head, body, self.fingerprint, self.hashing)
+                    if reason is not None:
+                        verdicts.append((i, reason, 0))
+                    elif self.outs is None:
+                        verdicts.append((i, None, bytes(body)))
+                    else:
+                        self.outs[i][: item.payload_len] = body
+                        verdicts.append((i, None, item.payload_len))
+                    del head, body  # views of the staging buffer, released with it
+            yield from verdicts
+
+
 def read_records(
     seg_dir: Path,
     plan: list[ReadItem],
@@ -177,45 +285,31 @@ def read_records(
     fingerprint: bytes,
     hashing: Hashing,
     quarantine: Quarantine,
+    *,
+    direct: bool = False,
 ) -> list[bytes | int | Corrupt | None]:
     """Read and verify each record (into ``outs[i]`` when given); quarantine failures here,
-    off the event loop. ``None`` marks a segment that vanished (evicted meanwhile): a miss."""
+    off the event loop. ``None`` marks a segment that vanished (evicted meanwhile): a miss.
+    ``direct`` reads around the page cache (see ``_direct``)."""
     results: list[bytes | int | Corrupt | None] = [None] * len(plan)
     by_seg: dict[str, list[int]] = {}
     for i, item in enumerate(plan):
         by_seg.setdefault(item.segment, []).append(i)
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     for seg_name, idxs in by_seg.items():
         try:
-            fd = os.open(seg_dir / seg_name, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(seg_dir / seg_name, flags)
         except FileNotFoundError:
             continue
         try:
             size = os.fstat(fd).st_size
-            scratch = memoryview(bytearray(HEADER_BYTES))
-            # In file order, one record at a time: each read returns as soon as its record is
-            # in, so verifying it overlaps the kernel's readahead of the next ones (reading a
-            # whole batch with one preadv measured slower: nothing is verified until all of
-            # it has arrived).
-            for i in sorted(idxs, key=lambda j: plan[j].offset):
-                item = plan[i]
-                head: bytes | memoryview
-                data: bytes | None = None
-                if outs is None:
-                    # Returned as bytes: pread allocates them, so one read per part, no copy.
-                    head, data = _read_one(fd, item)
-                    view = memoryview(data)
-                else:
-                    out = outs[i]
-                    if out.nbytes < item.payload_len:
-                        raise ValueError(
-                            f"output buffer {i} holds {out.nbytes} B, the page has "
-                            f"{item.payload_len} B"
-                        )
-                    head, view = _read_into(fd, item, out, scratch)
-                reason = verify_record(item, head, view, fingerprint, hashing)
+            reader = _SegmentReader(fd, plan, outs, fingerprint, hashing)
+            ordered = sorted(idxs, key=lambda j: plan[j].offset)
+            for i, reason, value in (reader.direct if direct else reader.buffered)(ordered):
                 if reason is None:
-                    results[i] = data if data is not None else item.payload_len
+                    results[i] = value
                     continue
+                item = plan[i]
                 try:
                     span = HEADER_BYTES + item.payload_len
                     quarantine(seg_name, item.offset, span, item.key, reason, size)

@@ -22,6 +22,11 @@ least recently used segment is unlinked whole (pages of one batch are usually on
 prefix, used together). ``delete`` overwrites single records with tombstones; their bytes are
 reclaimed when the segment's last page goes. Recency is not persisted: after a restart the
 segments' modification times order them.
+
+Segment IO bypasses the page cache (``O_DIRECT``) where the filesystem supports it, buffered
+otherwise (``DiskTierConfig.direct_io``); ``_direct`` gives the measurement behind that. The
+table above was measured buffered; direct, the segment protocol alone kept 0.86-0.97 of a raw
+direct append with the same fsyncs.
 """
 
 from __future__ import annotations
@@ -44,8 +49,10 @@ from tessera_ray.errors import (
     CorruptPageError,
     LayoutMismatchError,
     PageNotFoundError,
+    StorageConfigError,
     StorageError,
 )
+from tessera_ray.storage import _direct as D
 from tessera_ray.storage import _files as F
 from tessera_ray.storage import _io
 from tessera_ray.storage._format import (
@@ -111,6 +118,7 @@ class DiskTier(Tier):
         hasher: ContentHasher | None = None,
         segment_max_bytes: int = 64 << 20,
         io_threads: int = 4,
+        direct_io: bool | None = None,
         progress: bool | None = None,
     ) -> None:
         cfg = DiskTierConfig(
@@ -120,6 +128,7 @@ class DiskTier(Tier):
             namespace=namespace,
             segment_max_bytes=segment_max_bytes,
             io_threads=io_threads,
+            direct_io=direct_io,
             progress=progress,
         )
         self.config = cfg
@@ -139,6 +148,7 @@ class DiskTier(Tier):
         self._partials_cleaned = 0
         self._orphans = 0
         self._lock_fd: int | None = None
+        self._direct = False
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tessera-disk")
         self._open(custom_hasher=hasher is not None)
 
@@ -152,6 +162,7 @@ class DiskTier(Tier):
             hasher=hasher,
             segment_max_bytes=cfg.segment_max_bytes,
             io_threads=cfg.io_threads,
+            direct_io=cfg.direct_io,
             progress=cfg.progress,
         )
 
@@ -181,8 +192,27 @@ class DiskTier(Tier):
                 f"{meta.namespace!r}), not {want.fingerprint} ({want.namespace!r}); open it with "
                 "that layout or use another root"
             )
+        self._direct = self._choose_direct()
         self._lock_fd = F.take_lock(self._root, what="close it there first")
         self._rebuild()
+
+    def _choose_direct(self) -> bool:
+        wanted = self.config.direct_io
+        if wanted is False:
+            return False
+        if D.direct_supported(self._root / F.META_NAME):
+            return True
+        if wanted:
+            raise StorageConfigError(
+                f"direct_io=True but the filesystem of {self._root} does not support O_DIRECT; "
+                "use direct_io=None (auto) or False, or a root on another filesystem"
+            )
+        return False
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether this root's segments are read and written around the page cache."""
+        return self._direct
 
     def _rebuild(self) -> None:
         names = sorted(os.listdir(self._seg_dir))
@@ -296,7 +326,9 @@ class DiskTier(Tier):
     # --- writes -----------------------------------------------------------------------------
 
     def _write_segment(self, name: str, items: list[_Item], digests: list[bytes]) -> int:
-        return _io.write_segment(self._seg_dir, name, self._fp16, items, digests)
+        return _io.write_segment(
+            self._seg_dir, name, self._fp16, items, digests, direct=self._direct
+        )
 
     def _segment_name(self, keys: list[bytes]) -> str:
         # Named by a hash of its content hashes (plus time and pid, so that rewriting the same
@@ -388,7 +420,7 @@ class DiskTier(Tier):
                 self._segments.move_to_end(entry.segment.name)
         views = [outs[i] for i in where] if outs is not None else None
         got = await self._run(
-            _io.read_records,
+            functools.partial(_io.read_records, direct=self._direct),
             self._seg_dir,
             plan,
             views,

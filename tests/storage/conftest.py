@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,8 +29,24 @@ def page(i: int, size: int = 256) -> tuple[bytes, bytes]:
     return HASH(memoryview(data)), data
 
 
+_IO_MODE: list[bool | None] = [None]  # direct_io of tiers that open_disk opens (see io_mode)
+
+
 def open_disk(root: Path, capacity_bytes: int = 1 << 30, **kw: Any) -> DiskTier:
+    kw.setdefault("direct_io", _IO_MODE[0])
     return DiskTier(root, capacity_bytes, fingerprint=FINGERPRINT, namespace=NAMESPACE, **kw)
+
+
+@pytest.fixture(params=[None, False], ids=["direct", "buffered"])
+def io_mode(request: pytest.FixtureRequest) -> Iterator[bool | None]:
+    """Runs a test once with the tier's default IO (direct where the filesystem has it, as
+    on the test machines' ext4) and once buffered, the fallback: both read paths meet every
+    fault."""
+    _IO_MODE[0] = request.param
+    try:
+        yield request.param
+    finally:
+        _IO_MODE[0] = None
 
 
 def segments(root: Path) -> list[Path]:

@@ -28,6 +28,8 @@ from tessera_ray.storage._format import HEADER_BYTES, pack_header
 
 from .conftest import FINGERPRINT, flip, open_disk, page, quarantined, run, segments
 
+pytestmark = pytest.mark.usefixtures("io_mode")
+
 PAGES = 6
 REC = HEADER_BYTES + 256
 

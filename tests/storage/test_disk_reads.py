@@ -18,6 +18,8 @@ from tessera_ray.storage._format import HEADER_BYTES
 
 from .conftest import flip, open_disk, page, quarantined, run, segments
 
+pytestmark = pytest.mark.usefixtures("io_mode")
+
 PAGES = 6
 REC = HEADER_BYTES + 256
 
