@@ -129,7 +129,7 @@ class DiskBlocks:
             data_key = space.hash(view)
             data.append((data_key, view))
             manifests.append((key[:16], key + int(bh).to_bytes(16, "big") + data_key))
-        await space.data.put_many(data)
+        await space.data.put_many(data, prehashed=True)  # keyed by space.hash just above
         await space.manifests.put_many(manifests)
 
     async def get(

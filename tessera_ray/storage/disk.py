@@ -358,7 +358,19 @@ class DiskTier(Tier):
             size += rec
         return chunks
 
-    async def put_many(self, items: Sequence[tuple[bytes | str, Payload]]) -> None:
+    async def put_many(
+        self, items: Sequence[tuple[bytes | str, Payload]], *, prehashed: bool = False
+    ) -> None:
+        """Store pages under their content hashes (see :class:`Tier`).
+
+        ``prehashed``: the caller just computed every key from its payload with this root's
+        hasher (a pool spilling pages it sealed), so the write does not hash the payloads
+        again: on a root with the default hasher the key is the digest the record checksum
+        needs. Reads verify every page whatever was claimed here, so a wrong claim stores a
+        record that fails its checks, is quarantined and is never served. Without it (the
+        default) a payload that does not hash to its key fails the batch before anything is
+        written. A root with a custom key function always hashes.
+        """
         views = self._views(items)
         fresh: list[tuple[bytes, memoryview]] = []
         seen: set[bytes] = set()
@@ -371,9 +383,12 @@ class DiskTier(Tier):
                 fresh.append((key, view))
         if not fresh:
             return
-        # One pass over each payload: checks its key and gives the digest its record checksum
-        # needs, before anything is evicted or written.
-        all_digests = await self._run(_io.digest_batch, fresh, self._hashing)
+        if prehashed and self._hashing.key_of is None:
+            all_digests = [key for key, _ in fresh]
+        else:
+            # One pass over each payload: checks its key and gives the digest its record
+            # checksum needs, before anything is evicted or written.
+            all_digests = await self._run(_io.digest_batch, fresh, self._hashing)
         done = 0
         for chunk in self._chunks(fresh):
             digests = all_digests[done : done + len(chunk)]

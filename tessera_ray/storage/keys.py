@@ -61,6 +61,8 @@ def is_key_hex(name: str) -> bool:
 def normalize_key(key: object) -> bytes:
     """A 16-byte digest from ``key`` (16 bytes, or 32 lowercase hex chars); anything else is
     refused with :class:`InvalidKeyError` before it can name a file."""
+    if type(key) is bytes and len(key) == KEY_BYTES:
+        return key  # the common case, first: a batch normalizes every key it is given
     if isinstance(key, bytes | bytearray | memoryview):
         raw = bytes(key)
         if len(raw) == KEY_BYTES:
@@ -94,6 +96,9 @@ def _torch_view(obj: Any) -> memoryview:
 
 def payload_view(payload: Payload) -> memoryview:
     """A flat read-only byte view of ``payload`` without copying it."""
+    if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1:
+        if payload.c_contiguous:
+            return payload  # already one: a batch takes this path for every page
     if type(payload).__module__.startswith("torch"):
         return _torch_view(payload)
     view = memoryview(payload)

@@ -22,11 +22,11 @@ from tessera_ray.errors import (
     StorageError,
     StorageLockedError,
 )
-from tessera_ray.storage import DiskTier, fsck
+from tessera_ray.storage import DiskTier, _io, fsck
 from tessera_ray.storage._files import fingerprint_bytes
 from tessera_ray.storage._format import HEADER_BYTES, pack_header
 
-from .conftest import FINGERPRINT, flip, open_disk, page, quarantined, run, segments
+from .conftest import FINGERPRINT, HASH, flip, open_disk, page, quarantined, run, segments
 
 pytestmark = pytest.mark.usefixtures("io_mode")
 
@@ -360,5 +360,48 @@ def test_a_payload_that_does_not_hash_to_its_key_writes_nothing(
             assert [await tier.get(k) for k, _ in stored] == [d for _, d in stored]
             await tier.put_many(good)
             assert [await tier.get(k) for k, _ in good] == [d for _, d in good]
+
+    run(body())
+
+
+def test_prehashed_skips_the_write_hash_but_reads_still_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``prehashed`` trusts the caller's keys on the way in (no payload is hashed while
+    writing); a false claim is stored but caught by the read, quarantined, never served."""
+    root = tmp_path / "t"
+    good = [page(i) for i in range(3)]
+    lying = (page(99)[0], good[1][1])  # good bytes under another page's hash
+
+    def no_hashing(*args: object) -> None:
+        raise AssertionError("a prehashed write hashed the payloads")
+
+    async def body() -> None:
+        async with open_disk(root) as tier:
+            monkeypatch.setattr(_io, "digest_batch", no_hashing)
+            await tier.put_many([*good, lying], prehashed=True)
+            monkeypatch.undo()
+            assert [await tier.get(k) for k, _ in good] == [d for _, d in good]
+            with pytest.raises(CorruptPageError, match="record checksum mismatch"):
+                await tier.get(lying[0])
+            assert tier.stats.corrupt_total == 1
+            assert await tier.contains_many([lying[0]]) == [False]
+
+    run(body())
+    assert len(quarantined(root)) == 1
+    assert fsck(root).ok  # the bad record was quarantined and cut out of its segment
+
+
+def test_prehashed_is_ignored_by_a_root_with_its_own_key_function(tmp_path: Path) -> None:
+    def key_of(view: memoryview) -> bytes:
+        return HASH(view)[::-1]
+
+    async def body() -> None:
+        async with open_disk(tmp_path / "t", hasher=key_of) as tier:
+            key, data = page(1)
+            with pytest.raises(InvalidKeyError, match="does not hash to its key"):
+                await tier.put_many([(key, data)], prehashed=True)
+            await tier.put_many([(key_of(memoryview(data)), data)], prehashed=True)
+            assert await tier.get(key_of(memoryview(data))) == data
 
     run(body())
