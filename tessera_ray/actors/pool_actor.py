@@ -1,0 +1,407 @@
+"""The pool actor: a thin async Ray shell over :class:`PoolService`, one per GPU (or per node
+on CPU clusters), placed by node affinity. It reaps expired leases in the background and pulls
+blocks from other pools (``fetch_from``): pin on the owner, move the bytes, verify every page
+against the owner's content hash, install, unpin. With ``directory_actor``, ``client`` and
+``_ray_names``, one of the modules of ``actors/`` that make Ray calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from tessera_ray.actors._ray_names import CALL_TIMEOUT_S as _CALL_TIMEOUT_S
+from tessera_ray.actors._ray_names import DEAD as _DEAD
+from tessera_ray.actors._ray_names import shard_name as _shard_name
+from tessera_ray.actors.config import PoolServiceConfig
+from tessera_ray.actors.directory import (
+    LookupResult,
+    Registration,
+    Tier,
+)
+from tessera_ray.actors.exporter import export_pool_status, pool_tags
+from tessera_ray.actors.links import group_by_shard
+from tessera_ray.actors.messages import (
+    BlockCheck,
+    BlockRead,
+    PinTicket,
+    PoolStatus,
+    StoredBlock,
+)
+from tessera_ray.actors.pool_service import PoolService
+from tessera_ray.actors.pool_transfer import is_hash_mismatch
+from tessera_ray.actors.tenancy import Access, TenantGate
+from tessera_ray.core import ContentHashFn, xxh3_128
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.errors import TenantError, TransportError
+from tessera_ray.layout import ModelLayout
+from tessera_ray.metrics import get_metrics
+from tessera_ray.transport import PeerInfo, make_transport
+from tessera_ray.transport.factory import fallback_counts
+
+__all__ = ["PoolActor"]
+
+log = logging.getLogger(__name__)
+
+
+class _RayDirectory:
+    """The pool's view of the directory (DirectoryLink over shard actors). A shard that is down
+    is skipped: it rebuilds from inventories when it is back, so nothing is lost."""
+
+    def __init__(self, ray_namespace: str, num_shards: int) -> None:
+        self.ray_namespace = ray_namespace
+        self.num_shards = num_shards
+        # Ray runs an async actor's calls in no guaranteed order, even from one caller: a drop
+        # and a later register of the same replica could land reversed, leaving the directory
+        # naming a copy the pool no longer has (or forgetting one it has). Each change waits
+        # for the previous one to be applied.
+        self._writes = asyncio.Lock()
+
+    def _shard(self, i: int) -> Any:
+        return ray.get_actor(_shard_name(i), namespace=self.ray_namespace)
+
+    async def _call(self, i: int, method: str, *args: Any) -> Any:
+        try:
+            return await asyncio.wait_for(
+                getattr(self._shard(i), method).remote(*args), _CALL_TIMEOUT_S
+            )
+        except (*_DEAD, ValueError, TimeoutError) as exc:  # ValueError: name not found yet
+            log.warning("directory shard %d unavailable for %s: %s", i, method, exc)
+            return None
+
+    async def register(self, entries: Sequence[Registration]) -> None:
+        groups = group_by_shard([e.token_key for e in entries], self.num_shards)
+        async with self._writes:
+            await asyncio.gather(
+                *(self._call(s, "register", [entries[i] for i in idx]) for s, idx in groups.items())
+            )
+
+    async def drop(
+        self, pool: str, blocks: Sequence[tuple[str, BlockHash]], tier: Tier | None
+    ) -> None:
+        async with self._writes:
+            await asyncio.gather(
+                *(
+                    self._call(s, "drop_replicas", pool, list(blocks), tier)
+                    for s in range(self.num_shards)
+                )
+            )
+
+    async def purge(self, pool: str) -> None:
+        """Forget every replica of ``pool`` (a pool process that starts holds nothing)."""
+        async with self._writes:
+            await asyncio.gather(
+                *(self._call(s, "purge_pool", pool) for s in range(self.num_shards))
+            )
+
+    async def publish_peer(self, info: PeerInfo) -> None:
+        """Every shard keeps every pool's transport data, so a reader finds it at any shard."""
+        await asyncio.gather(*(self._call(s, "publish_peer", info) for s in range(self.num_shards)))
+
+    async def peer(self, name: str) -> PeerInfo | None:
+        for s in range(self.num_shards):
+            found = await self._call(s, "peer", name)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
+        return None
+
+    async def lookup(
+        self, namespace: Access, token_keys: Sequence[TokenKey]
+    ) -> list[LookupResult | None]:
+        out: list[LookupResult | None] = [None] * len(token_keys)
+        groups = group_by_shard(token_keys, self.num_shards)
+        answers = await asyncio.gather(
+            *(
+                self._call(s, "lookup", namespace, [token_keys[i] for i in idx])
+                for s, idx in groups.items()
+            )
+        )
+        for idx, answer in zip(groups.values(), answers, strict=True):
+            for i, r in zip(idx, answer or [None] * len(idx), strict=True):
+                out[i] = r
+        return out
+
+
+# Restarted by Ray when its process dies (calls in flight fail; clients fall back): the new
+# process purges the old one's memory replicas and re-announces its disk tier.
+@ray.remote(num_cpus=0, max_restarts=-1)
+class PoolActor:
+    """Thin shell over :class:`PoolService` (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        layout: ModelLayout,
+        config: PoolServiceConfig,
+        ray_namespace: str,
+        num_shards: int,
+        content_hash: ContentHashFn | None = None,
+        tenant_secret: bytes | None = None,
+    ) -> None:
+        # UCX reads this when the NIXL agent starts: with system libibverbs present a process
+        # holding a UCX backend can crash at exit otherwise (REFERENCE.md).
+        os.environ.setdefault("UCX_MODULES", "^ib")
+        node = ray.get_runtime_context().get_node_id()
+        self.ray_namespace = ray_namespace
+        self.num_shards = num_shards
+        self.directory = _RayDirectory(ray_namespace, num_shards)
+        # content_hash: a weaker hash forces collisions in tests; the default is xxh3-128.
+        self.svc = PoolService(
+            name,
+            layout,
+            config,
+            directory=self.directory,
+            node=node,
+            content_hash=content_hash or xxh3_128,
+            gate=TenantGate(tenant_secret),
+        )
+        self._incarnations: dict[str, int] = {}
+        self._reports: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly
+        self.metrics = get_metrics()
+        # One-sided reads need NIXL; without it (or with kind "ray") blocks move through the
+        # object store (read_pinned + install), verified the same way.
+        self.peer: PeerInfo | None = None
+        if config.transport.kind in ("auto", "nixl"):
+            transport = make_transport(config.transport, name=name)
+            if transport.kind == "nixl":
+                self.peer = self.svc.attach_transport(transport)
+            else:
+                transport.close()
+        self._started = False
+
+    async def _start(self) -> None:
+        # Background work starts on the first call: an async actor's __init__ has no loop yet.
+        if self._started:
+            return
+        self._started = True
+        # This process holds nothing in memory yet: replicas a previous incarnation registered
+        # under this name are stale.
+        await self.directory.purge(self.svc.name)
+        if self.peer is not None:
+            await self.directory.publish_peer(self.peer)
+        await self.svc.reopen_disk()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._reaper()), loop.create_task(self._exporter())]
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.svc.config.lease_s / 4))
+            self.svc.reap()
+
+    async def _exporter(self) -> None:
+        while True:
+            await asyncio.sleep(self.svc.config.metrics_interval_s)
+            try:
+                self._export()
+            except Exception:  # a metrics hiccup must not stop the pool's exports for good
+                log.exception("pool %s: metrics export failed", self.svc.name)
+
+    def _export(self) -> None:
+        export_pool_status(self.metrics, self.svc.status(), self.ray_namespace, fallback_counts())
+
+    async def flush_metrics(self) -> None:
+        """Export the current snapshot now (instead of waiting for the next interval)."""
+        await self._start()
+        self._export()
+
+    async def ready(self) -> str:
+        await self._start()
+        return self.svc.name
+
+    async def health(self) -> bool:
+        return True
+
+    async def peer_info(self) -> PeerInfo | None:
+        """This pool's NIXL agent data (``None`` when it moves blocks through the object store)."""
+        return self.peer
+
+    async def _peer_of(self, owner_name: str, owner: Any) -> str | None:
+        """The owner's transport name, its agent added once (directory first, then the owner)."""
+        transport = self.svc.transport
+        if transport is None:
+            return None
+        if owner_name in transport.peers:
+            return owner_name
+        info = await self.directory.peer(owner_name)
+        if info is None:
+            info = await asyncio.wait_for(owner.peer_info.remote(), _CALL_TIMEOUT_S)
+        if info is None or info.kind != transport.kind:
+            return None
+        transport.add_peers([info])
+        return info.name
+
+    async def describe(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
+        """The layout, settings and shard count this pool runs with (for clients that connect)."""
+        return self.svc.layout, self.svc.config, self.num_shards
+
+    async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Any:
+        await self._start()
+        return await self.svc.reserve(num_blocks, lease_s)
+
+    async def commit(
+        self, reservation_id: int, namespace: Access, keys: list[TokenKey], payloads: np.ndarray
+    ) -> list[StoredBlock]:
+        await self._start()
+        return await self.svc.commit(reservation_id, namespace, keys, payloads)
+
+    async def abort(self, reservation_id: int) -> None:
+        self.svc.abort(reservation_id)
+
+    async def store(
+        self, namespace: Access, keys: list[TokenKey], payloads: np.ndarray
+    ) -> list[StoredBlock]:
+        await self._start()
+        return await self.svc.store(namespace, keys, payloads)
+
+    async def contains(
+        self, namespace: Access, keys: list[TokenKey], touch: bool = False
+    ) -> list[Tier | None]:
+        await self._start()
+        return self.svc.contains(namespace, keys, touch)
+
+    async def pin(
+        self, namespace: Access, keys: list[TokenKey], lease_s: float | None = None
+    ) -> Any:
+        await self._start()
+        return await self.svc.pin(namespace, keys, lease_s)
+
+    async def unpin(self, pin_id: int) -> bool:
+        return self.svc.unpin(pin_id)
+
+    async def read_pinned(self, pin_id: int) -> np.ndarray:
+        return self.svc.read_pinned(pin_id)
+
+    async def read(self, namespace: Access, keys: list[TokenKey]) -> list[np.ndarray | None]:
+        """Payloads of blocks held here (memory or disk), for callers that consume bytes."""
+        blocks = await self.read_blocks(namespace, keys)
+        return [b.payload if b is not None else None for b in blocks]
+
+    async def read_blocks(self, namespace: Access, keys: list[TokenKey]) -> list[BlockRead | None]:
+        """Payloads with the block hashes to check them against (see :class:`BlockRead`)."""
+        await self._start()
+        return await self.svc.read_blocks(namespace, keys)
+
+    async def check_blocks(self, namespace: Access, keys: list[TokenKey]) -> list[BlockCheck]:
+        await self._start()
+        return await self.svc.check_blocks(namespace, keys)
+
+    async def attend(
+        self,
+        namespace: Access,
+        keys: list[TokenKey],
+        positions: list[int],
+        layer: int,
+        q: Any,
+        seqlen: int,
+        softmax_scale: float,
+        causal: bool = True,
+    ) -> Any:
+        await self._start()
+        return self.svc.attend(namespace, keys, positions, layer, q, seqlen, softmax_scale, causal)
+
+    async def evict(self, num_blocks: int) -> Any:
+        await self._start()
+        return await self.svc.evict(num_blocks)
+
+    async def inventory(self) -> list[Registration]:
+        await self._start()
+        return self.svc.inventory()
+
+    async def status(self) -> PoolStatus:
+        await self._start()
+        return self.svc.status()
+
+    async def fetch_from(
+        self, owner_name: str, namespace: Access, keys: list[TokenKey], timeout_s: float = 30.0
+    ) -> list[str | None]:
+        """Pull blocks from ``owner_name`` into this pool; per key ``None`` (installed or
+        already here) or the reason it was not fetched. The caller's access is checked here
+        and again by the owner."""
+        await self._start()
+        self.svc.gate.resolve(namespace, write=False)
+        if owner_name == self.svc.name:  # a disk replica here: pinning restores it
+            ticket = await self.svc.pin(namespace, keys)
+            self.svc.unpin(ticket.id)
+            return [None if b is not None else "not on this pool" for b in ticket.blocks]
+        began = time.perf_counter()
+        reasons = await self._pull(owner_name, namespace, keys, timeout_s)
+        tags = pool_tags(self.ray_namespace, self.svc.name, self.svc.node)
+        self.metrics.observe("tessera_transfer_latency_seconds", time.perf_counter() - began, tags)
+        installed = sum(r is None for r in reasons)
+        self.metrics.inc("tessera_transfer_bytes", installed * self.svc.block_bytes, tags)
+        self.metrics.inc("tessera_transfer_errors", len(reasons) - installed, tags)
+        return reasons
+
+    async def _pull(
+        self, owner_name: str, access: Access, keys: list[TokenKey], timeout_s: float
+    ) -> list[str | None]:
+        namespace = self.svc.gate.resolve(access, write=False)
+        try:
+            owner = ray.get_actor(owner_name, namespace=self.ray_namespace)
+            ticket: PinTicket = await asyncio.wait_for(owner.pin.remote(access, keys), timeout_s)
+        except (*_DEAD, ValueError, TimeoutError) as exc:
+            return [f"owner {owner_name} unavailable: {type(exc).__name__}"] * len(keys)
+        suspects: list[TokenKey] = []
+        try:
+            if ticket.namespace != namespace:
+                return [f"owner {owner_name} answered for another namespace"] * len(keys)
+            transport = self.svc.transport
+            if self._incarnations.get(owner_name) != ticket.incarnation:
+                # The owner restarted: its old NIXL agent (same name) is gone.
+                if transport is not None and owner_name in transport.peers:
+                    transport.remove_peers([owner_name])
+                self._incarnations[owner_name] = ticket.incarnation
+            peer = await self._peer_of(owner_name, owner)
+            reasons: list[str | None]
+            if peer is not None:
+                reasons = await self.svc.fetch_pinned(ticket, peer, timeout_s)
+            else:
+                reasons = [
+                    None if b is not None else f"not held by {owner_name}" for b in ticket.blocks
+                ]
+                held = [b for b in ticket.blocks if b is not None]
+                if held:
+                    payload = await asyncio.wait_for(owner.read_pinned.remote(ticket.id), timeout_s)
+                    result = await self.svc.install(namespace, held, payload)
+                    errors = iter(result.errors)
+                    reasons = [
+                        next(errors) if b is not None else r
+                        for b, r in zip(ticket.blocks, reasons, strict=True)
+                    ]
+            suspects = [k for k, r in zip(keys, reasons, strict=True) if is_hash_mismatch(r)]
+            return reasons
+        except (*_DEAD, TimeoutError, TransportError) as exc:
+            # The owner died mid-read (or its agent went away): the fetch gave its reserved
+            # slots back (slots a read may still write are freed only once it is cancelled);
+            # these blocks are misses, fetched elsewhere or recomputed.
+            if self.svc.transport is not None and owner_name in self.svc.transport.peers:
+                self.svc.transport.remove_peers([owner_name])
+            return [f"transfer from {owner_name} failed: {type(exc).__name__}"] * len(keys)
+        finally:
+            unpinned = owner.unpin.remote(ticket.id)  # not awaited: the lease ends it anyway
+            if suspects:
+                task = asyncio.get_running_loop().create_task(
+                    self._report(owner, unpinned, access, suspects)
+                )
+                self._reports.add(task)
+                task.add_done_callback(self._reports.discard)
+
+    async def _report(
+        self, owner: Any, unpinned: Any, access: Access, keys: list[TokenKey]
+    ) -> None:
+        """Blocks whose bytes arrived hashing otherwise than sealed: the owner checks its copy
+        and drops it if it rotted, or every later fetch of it would fail the same way. Sent
+        once this fetch's unpin has landed (a block still pinned cannot be dropped), in the
+        background: the fetch's outcome does not wait for it."""
+        try:
+            await unpinned
+            await owner.check_blocks.remote(access, keys)
+        except (*_DEAD, TenantError) as exc:
+            log.warning("could not have %d blocks checked by their owner: %s", len(keys), exc)
