@@ -4,11 +4,10 @@ import Ray (STYLE rule 5), and the plain classes load without it."""
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import tessera_ray.actors
+from tests._imports import assert_loads_without
 
 SHELLS = {"_ray_names.py", "client.py", "directory_actor.py", "pool_actor.py"}
 
@@ -32,10 +31,6 @@ def test_only_the_shells_import_ray() -> None:
 
 
 def test_plain_classes_load_without_ray() -> None:
-    code = (
-        "import sys; import tessera_ray.actors.pool_service, tessera_ray.actors.directory; "
-        "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]; "
-        "print(bad); sys.exit(1 if bad else 0)"
+    assert_loads_without(
+        ("tessera_ray.actors.pool_service", "tessera_ray.actors.directory"), ("ray",)
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr

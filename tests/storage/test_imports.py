@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import torch
 
 from tessera_ray.core import BlockPool, PoolConfig
 from tessera_ray.layout import preset_layout
 from tessera_ray.storage.keys import content_hasher, payload_view
+from tests._imports import assert_loads_without
 
 
 def test_storage_does_not_import_ray() -> None:
-    code = (
-        "import sys, tessera_ray.storage; "
-        "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]; "
-        "print(bad); sys.exit(1 if bad else 0)"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert_loads_without(("tessera_ray.storage",), ("ray",))
 
 
 def test_tier_key_equals_the_pools_content_hash() -> None:
