@@ -29,8 +29,11 @@ class DiskTierConfig:
     """Tenant namespace keying the content hash (with the fingerprint)."""
     segment_max_bytes: int = 64 << 20
     """A batch larger than this is written as several segment files (bounds one write)."""
-    io_threads: int = 4
-    """Threads doing file IO, hashing and checksums off the event loop."""
+    io_threads: int = 8
+    """Threads doing file IO, hashing and checksums off the event loop. Each keeps one read
+    in flight: 2,048 MLA pages read back in 64-page batches at 1.49 GB/s with 8 threads
+    against 1.36 with 4 here (direct IO, raw 1.71); each direct transfer holds an 8 MiB
+    staging buffer while it runs."""
     direct_io: bool | None = None
     """Read and write segments around the page cache (``O_DIRECT``): the memory pool above is
     the cache, and direct IO measured faster and steadier here (``storage/_direct.py``). None:
