@@ -18,10 +18,10 @@ Rows:
   fsyncs the directory; every read verifies regardless. ``disk_write_checked`` is the
   default put_many that hashes each payload again to check its key (a caller outside the
   pool), reported beside it.
-  The tier writes around the page cache (``O_DIRECT``, ``storage/_direct.py``); the baseline
-  is the plain buffered write the issue names. So that the choice of IO mode hides nothing,
-  ``raw_write_direct`` runs the raw append through O_DIRECT too and
-  ``disk_write_protocol_alone`` runs the tier's protocol in that mode with no tier code.
+  The tier runs in its default IO mode (buffered, through the page cache); ``disk_write_direct``
+  is the same tier with ``direct_io=True`` (``storage/_direct.py``), ``raw_write_direct`` the
+  raw append through O_DIRECT, and ``disk_write_protocol_alone`` the tier's protocol in that
+  mode with no tier code, so that no IO mode hides a cost.
 - ``disk_read_verify``: ``get_many_into`` of every page into preallocated buffers (checksum
   and content hash verified per page), against one raw read of the baseline file (the same
   payload bytes) into one buffer. Both start cold: every file is fdatasync'ed and dropped from
@@ -134,11 +134,15 @@ def main() -> None:
         sets = iter(range(1 << 30))
         tiers: list[DiskTier] = []
 
-        def tier_write_timed(prehashed: bool) -> float:
+        def tier_write_timed(prehashed: bool, direct: bool = False) -> float:
             """Seconds of the put_many calls alone (pages hashed and tier opened before)."""
             rep = next(sets)
             tier = DiskTier(
-                work / f"tier{rep}", 1 << 40, fingerprint=layout.fingerprint, namespace="bench"
+                work / f"tier{rep}",
+                1 << 40,
+                fingerprint=layout.fingerprint,
+                namespace="bench",
+                direct_io=direct,
             )
             tiers.append(tier)
 
@@ -212,7 +216,7 @@ def main() -> None:
                 os.close(fd)
                 os.close(dir_fd)
 
-        write_gbs, raw_write_gbs, proto_gbs, raw_direct_gbs, checked_gbs = (
+        write_gbs, raw_write_gbs, proto_gbs, raw_direct_gbs, checked_gbs, direct_gbs = (
             total / s / GB
             for s in _interleaved(
                 [
@@ -221,13 +225,15 @@ def main() -> None:
                     lambda: time_median(protocol_write, repeat=1, warmup=0),
                     lambda: time_median(raw_write_direct, repeat=1, warmup=0),
                     lambda: tier_write_timed(prehashed=False),
+                    lambda: tier_write_timed(prehashed=True, direct=True),
                 ],
                 repeat,
             )
         )
 
-        # Reads: the last written tier, cold.
-        tier = tiers[-1]
+        # Reads: the last tier written in each IO mode, cold.
+        tier = next(t for t in reversed(tiers) if not t.direct_io)
+        tier_direct = next(t for t in reversed(tiers) if t.direct_io)
         loop = asyncio.new_event_loop()
 
         async def all_keys() -> list[bytes]:
@@ -236,12 +242,13 @@ def main() -> None:
         keys = loop.run_until_complete(all_keys())
         outs = [bytearray(page_bytes) for _ in keys]
         seg_files = sorted((tier.config.root / "segments").glob("*.seg"))
+        direct_files = sorted((tier_direct.config.root / "segments").glob("*.seg"))
 
-        def tier_read() -> float:
+        def tier_read(tier: DiskTier = tier, files: list[Path] = seg_files) -> float:
             """Seconds of the reads alone: the cache drop before them is setup (for 32
             segment files it costs ~50 ms of fdatasync/fadvise calls here, a third of the
             read itself, against ~1 ms for the one raw file)."""
-            _drop_cache(seg_files)
+            _drop_cache(files)
             start = time.perf_counter()
 
             async def go() -> None:
@@ -287,9 +294,18 @@ def main() -> None:
                 os.close(fd)
             return time.perf_counter() - start
 
-        read_gbs, raw_read_gbs, seg_read_gbs, raw_read_direct_gbs = (
+        read_gbs, raw_read_gbs, seg_read_gbs, raw_read_direct_gbs, read_direct_gbs = (
             total / s / GB
-            for s in _interleaved([tier_read, raw_read, segments_read, raw_read_direct], repeat)
+            for s in _interleaved(
+                [
+                    tier_read,
+                    raw_read,
+                    segments_read,
+                    raw_read_direct,
+                    lambda: tier_read(tier_direct, direct_files),
+                ],
+                repeat,
+            )
         )
         for t in tiers:
             loop.run_until_complete(t.close())
@@ -316,6 +332,15 @@ def main() -> None:
                 "the raw append in the same IO mode in this run; this shared virtual disk's "
                 "state moves every side from round to round, so judge the ratio over several "
                 "runs",
+            ),
+            Row(
+                name="disk_write_direct",
+                value=direct_gbs,
+                unit="GB/s",
+                baseline="raw_write_fsync",
+                baseline_value=raw_write_gbs,
+                note=f"{note}; the tier with direct_io=True (segments written around the page "
+                "cache), prehashed as the pool writes",
             ),
             Row(
                 name="disk_write_checked",
@@ -357,6 +382,15 @@ def main() -> None:
                 "bytes are one file: the segment files read whole, buffered, nothing verified, "
                 f"ran at {seg_ratio:.2f} of raw in this run (row disk_read_segments_alone), a "
                 f"raw O_DIRECT read at {direct_read_ratio:.2f}",
+            ),
+            Row(
+                name="disk_read_verify_direct",
+                value=read_direct_gbs,
+                unit="GB/s",
+                baseline="raw_read_cold",
+                baseline_value=raw_read_gbs,
+                note=f"{note}; the tier with direct_io=True: whole segment windows read around "
+                "the page cache, verified in a staging buffer, copied out",
             ),
             Row(
                 name="disk_read_segments_alone",
