@@ -37,7 +37,8 @@ class DiskTierConfig:
     direct_io: bool | None = False
     """Read and write segments around the page cache (``O_DIRECT``). Off by default: the page
     cache then keeps recently spilled pages in spare RAM, and the chaos load test (16 clients
-    spilling and restoring constantly) ran at 106 ops/s buffered against 81 direct. On: cold
+    spilling and restoring constantly) ran at 93.0 ops/s buffered against 80.6 direct, each in
+    a full clean-clone test run. On: cold
     batched writes ran 1.2-3x faster here and steadier (``bench_disk``, ``storage/_direct.py``)
     and the page cache is left to others (a node whose RAM belongs to the pinned host tier).
     None: direct where the filesystem supports it, else buffered; True: required (opening a
