@@ -29,20 +29,20 @@ class DiskTierConfig:
     """Tenant namespace keying the content hash (with the fingerprint)."""
     segment_max_bytes: int = 64 << 20
     """A batch larger than this is written as several segment files (bounds one write)."""
-    io_threads: int = 8
-    """Threads doing file IO, hashing and checksums off the event loop. Each keeps one read
-    in flight: 2,048 MLA pages read back in 64-page batches at 1.49 GB/s with 8 threads
-    against 1.36 with 4 here (direct IO, raw 1.71); each direct transfer holds an 8 MiB
-    staging buffer while it runs."""
+    io_threads: int = 4
+    """Threads doing file IO, hashing and checksums off the event loop; each keeps one read in
+    flight. With ``direct_io`` more help: 2,048 MLA pages read back in 64-page batches at 1.49
+    GB/s with 8 threads against 1.36 with 4 here (raw 1.71), each direct transfer holding an
+    8 MiB staging buffer while it runs; buffered, 8 threads read no faster than 4 (1.10 against
+    1.11 GB/s)."""
     direct_io: bool | None = False
     """Read and write segments around the page cache (``O_DIRECT``). Off by default: the page
     cache then keeps recently spilled pages in spare RAM, and the chaos load test (16 clients
     spilling and restoring constantly) ran at 93.0 ops/s buffered against 80.6 direct, each in
-    a full clean-clone test run. On: cold
-    batched writes ran 1.2-3x faster here and steadier (``bench_disk``, ``storage/_direct.py``)
-    and the page cache is left to others (a node whose RAM belongs to the pinned host tier).
-    None: direct where the filesystem supports it, else buffered; True: required (opening a
-    root on a filesystem without it fails)."""
+    a full clean-clone test run. On: cold batched writes ran 1.2-3x faster here and steadier
+    (``bench_disk``, ``storage/_direct.py``), and the page cache is left to others (a node whose
+    RAM belongs to the pinned host tier). None: direct where the filesystem supports it, else
+    buffered; True: required (opening a root on a filesystem without it fails)."""
     progress_min_files: int = 10_000
     """Segment count from which opening a root shows a progress line on a TTY stderr."""
     progress: bool | None = None

@@ -117,7 +117,7 @@ class DiskTier(Tier):
         namespace: str = "default",
         hasher: ContentHasher | None = None,
         segment_max_bytes: int = 64 << 20,
-        io_threads: int = 8,
+        io_threads: int = 4,
         direct_io: bool | None = False,
         progress: bool | None = None,
     ) -> None:
