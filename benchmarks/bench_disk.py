@@ -3,37 +3,40 @@
 Rows:
 
 - ``disk_write``: ``DiskTier.put_many`` of DeepSeek-V3 MLA pages (73,728 B: 64 tokens x 576
-  bf16 values x 2 B) in batches of 64, against writing the same bytes (the same buffers: one
-  page set serves every side and round, each round's tier a fresh root) sequentially to one
-  fresh file, one ``writev`` per batch, with the same durability work per batch as the tier:
+  bf16 values x 2 B) in batches of 64, the tier in its default configuration (segments read
+  and written around the page cache where the filesystem allows it: ``DiskTierConfig.
+  direct_io``), against writing the same bytes (the same buffers: one page set serves every
+  side and round, each round's tier a fresh root) sequentially to one fresh file through the
+  page cache, one ``writev`` per batch, with the same durability work per batch as the tier:
   an fsync of the file and an fsync of its directory (a put_many returns once its batch is
   durable: segment fsync, rename, directory fsync). The raw side's directory fsync has little
-  to commit (no name changes after the first batch); in 15 interleaved rounds here it made
-  the raw write 8% slower in the median (671 vs 724 ms), inside this disk's round-to-round
-  spread (0.2x-4x), so this baseline is somewhat easier than file fsyncs alone. The tier's
-  extra journal commit for each rename stays in what it is judged on.
+  to commit (no name changes after the first batch); in 15 interleaved rounds here it made the
+  raw write 8% slower in the median (671 vs 724 ms), inside this disk's round-to-round spread,
+  so this baseline is somewhat easier than file fsyncs alone. The tier's extra journal commit
+  for each rename stays in what it is judged on.
   Content hashes are computed before timing: the pool computes them when it hands pages over
   (``DiskBlocks.put`` hashes each block right before ``put_many(..., prehashed=True)``), so
-  this row's tier trusts them on the way in, as there, and writes headers, renames and
-  fsyncs the directory; every read verifies regardless. ``disk_write_checked`` is the
-  default put_many that hashes each payload again to check its key (a caller outside the
-  pool), reported beside it.
-  The tier runs in its default IO mode (buffered, through the page cache); ``disk_write_direct``
-  is the same tier with ``direct_io=True`` (``storage/_direct.py``), ``raw_write_direct`` the
-  raw append through O_DIRECT, and ``disk_write_protocol_alone`` the tier's protocol in that
-  mode with no tier code, so that no IO mode hides a cost.
-- ``disk_read_verify``: ``get_many_into`` of every page into preallocated buffers (checksum
-  and content hash verified per page), against one raw read of the baseline file (the same
-  payload bytes) into one buffer. Both start cold: every file is fdatasync'ed and dropped from
-  the page cache (``posix_fadvise(DONTNEED)``) right before its read, outside the timed
-  region on both sides. ``raw_read_direct`` reads the raw file with one O_DIRECT read, and
-  ``disk_read_segments_alone`` reads the tier's segment files whole, buffered, nothing
-  verified.
+  this row's tier trusts them on the way in, as there; every read verifies regardless.
+  ``disk_write_checked`` is the default put_many that hashes each payload again to check its
+  key (a caller outside the pool). ``disk_write_buffered`` is the tier with
+  ``direct_io=False``; ``disk_write_protocol_direct`` / ``disk_write_protocol_buffered`` run
+  the crash-safe protocol alone (per batch a fresh ``.partial``, one write, fsync, rename,
+  directory fsync) with no tier code in each IO mode, the ceiling each mode leaves;
+  ``raw_write_direct`` is the raw append through O_DIRECT.
+- ``disk_read_verify``: ``get_many_into`` of every page into preallocated buffers (checksum and
+  content hash verified per page), the tier in its default configuration, against one raw
+  buffered read of the baseline file (the same payload bytes) into one buffer. Both start
+  cold: every file is fdatasync'ed and dropped from the page cache (``posix_fadvise
+  (DONTNEED)``) right before its read, outside the timed region on both sides.
+  ``disk_read_verify_buffered`` is the tier with ``direct_io=False``; ``raw_read_direct``
+  reads the raw file with one O_DIRECT read; ``disk_read_segments_direct`` /
+  ``disk_read_segments_buffered`` read the tier's segment files whole in each mode, on as
+  many threads as the tier reads with, nothing verified: what the file layout alone allows.
 
 Rounds interleave the sides, alternating their order, so all see the same machine state; the
-median of each side is reported. This VM shares its disk and 2 cores with other
-work, so single runs scatter widely (raw write moved 0.05-1.2 GB/s within one afternoon): judge
-the ratio over several runs.
+median of each side is reported. This VM shares its disk and 2 cores with other work, so
+single runs scatter widely (raw write moved 0.05-1.2 GB/s within one afternoon): judge the
+ratio over several runs.
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ import mmap
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import xxhash
 from common import Row, parse_args, time_median, write_result
@@ -54,7 +60,12 @@ from tessera_ray.layout import preset_layout
 from tessera_ray.storage import DiskTier, content_hasher
 
 GB = 1e9
+ALIGN = 4096  # O_DIRECT lengths: a multiple of the logical block (512 B or 4 KiB)
 BATCH = 64
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _drop_cache(paths: list[Path]) -> None:
@@ -111,7 +122,7 @@ def main() -> None:
     layout = preset_layout("deepseek-v3")
     page_bytes = layout.groups[0].page.page_bytes  # 73,728
     num_pages = 512 if args.quick else 2048
-    repeat = 3 if args.quick else 7
+    repeat = 3 if args.quick else 9
     hasher = content_hasher("bench", layout.fingerprint)
     base = os.urandom(page_bytes * 8)
     total = num_pages * page_bytes
@@ -134,7 +145,7 @@ def main() -> None:
         sets = iter(range(1 << 30))
         tiers: list[DiskTier] = []
 
-        def tier_write_timed(prehashed: bool, direct: bool = False) -> float:
+        def tier_write_timed(prehashed: bool, **config: Any) -> float:
             """Seconds of the put_many calls alone (pages hashed and tier opened before)."""
             rep = next(sets)
             tier = DiskTier(
@@ -142,8 +153,7 @@ def main() -> None:
                 1 << 40,
                 fingerprint=layout.fingerprint,
                 namespace="bench",
-                direct_io=direct,
-                io_threads=8 if direct else 4,  # direct reads gain from more (DiskTierConfig)
+                **config,
             )
             tiers.append(tier)
 
@@ -158,24 +168,27 @@ def main() -> None:
         stage = mmap.mmap(-1, total)  # page-aligned, as O_DIRECT needs (raw and protocol)
         raw_paths = (work / f"raw{n}.bin" for n in range(1 << 30))
         raw_path = work / "raw.bin"
-        raw_items = items
-
         protocol_dirs = (work / f"protocol{n}" for n in range(1 << 30))
 
-        def protocol_write() -> None:
-            """The tier's crash-safe protocol alone, in the tier's IO mode, no tier code: per
-            batch a fresh ``.partial`` opened O_DIRECT, the same bytes copied into an aligned
-            buffer and written, fdatasync, rename, directory fsync."""
+        def protocol_write(direct: bool) -> None:
+            """The tier's crash-safe protocol alone, no tier code: per batch a fresh
+            ``.partial`` (O_DIRECT: the bytes copied into an aligned buffer first), one write,
+            fsync, rename, directory fsync."""
             d = next(protocol_dirs)
             d.mkdir()
             view = memoryview(stage)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
             for s in range(0, num_pages, BATCH):
                 partial = d / f"{s:08x}.seg.partial"
-                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+                fd = os.open(partial, flags, 0o644)
                 try:
-                    n = _stage_batch(view, raw_items[s : s + BATCH])
-                    _pwrite_all(fd, view[:n])
-                    os.fdatasync(fd)
+                    if direct:
+                        n = _stage_batch(view, items[s : s + BATCH])
+                        _pwrite_all(fd, view[:n])
+                        os.fdatasync(fd)
+                    else:
+                        _write_all(fd, [page for _, page in items[s : s + BATCH]])
+                        os.fsync(fd)
                 finally:
                     os.close(fd)
                 os.rename(partial, d / f"{s:08x}.seg")
@@ -193,7 +206,7 @@ def main() -> None:
             dir_fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 for s in range(0, num_pages, BATCH):
-                    _write_all(fd, [view for _, view in raw_items[s : s + BATCH]])
+                    _write_all(fd, [view for _, view in items[s : s + BATCH]])
                     os.fsync(fd)
                     os.fsync(dir_fd)  # the tier's per-batch directory fsync, see the docstring
             finally:
@@ -202,14 +215,14 @@ def main() -> None:
 
         def raw_write_direct() -> None:
             """The raw append again, through O_DIRECT: each batch copied into an aligned
-            buffer and written with one call, the same fsyncs (raw IO in the tier's mode)."""
+            buffer and written with one call, the same fsyncs."""
             path = next(raw_paths)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
             dir_fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
             view = memoryview(stage)
             try:
                 for s in range(0, num_pages, BATCH):
-                    n = _stage_batch(view, raw_items[s : s + BATCH])
+                    n = _stage_batch(view, items[s : s + BATCH])
                     _pwrite_all(fd, view[:n], s * page_bytes)
                     os.fdatasync(fd)
                     os.fsync(dir_fd)
@@ -217,24 +230,30 @@ def main() -> None:
                 os.close(fd)
                 os.close(dir_fd)
 
-        write_gbs, raw_write_gbs, proto_gbs, raw_direct_gbs, checked_gbs, direct_gbs = (
-            total / s / GB
-            for s in _interleaved(
-                [
-                    lambda: tier_write_timed(prehashed=True),
-                    lambda: time_median(raw_write, repeat=1, warmup=0),
-                    lambda: time_median(protocol_write, repeat=1, warmup=0),
-                    lambda: time_median(raw_write_direct, repeat=1, warmup=0),
-                    lambda: tier_write_timed(prehashed=False),
-                    lambda: tier_write_timed(prehashed=True, direct=True),
-                ],
-                repeat,
+        def timed(fn: Callable[[], None]) -> Callable[[], float]:
+            return lambda: time_median(fn, repeat=1, warmup=0)
+
+        write_sides: dict[str, Callable[[], float]] = {
+            "tier": lambda: tier_write_timed(prehashed=True),
+            "raw": timed(raw_write),
+            "tier_buffered": lambda: tier_write_timed(prehashed=True, direct_io=False),
+            "checked": lambda: tier_write_timed(prehashed=False),
+            "protocol_direct": timed(lambda: protocol_write(direct=True)),
+            "protocol_buffered": timed(lambda: protocol_write(direct=False)),
+            "raw_direct": timed(raw_write_direct),
+        }
+        w = dict(
+            zip(
+                write_sides,
+                (total / s / GB for s in _interleaved(list(write_sides.values()), repeat)),
+                strict=True,
             )
         )
 
         # Reads: the last tier written in each IO mode, cold.
-        tier = next(t for t in reversed(tiers) if not t.direct_io)
-        tier_direct = next(t for t in reversed(tiers) if t.direct_io)
+        tier = next(t for t in reversed(tiers) if t.config.direct_io is None)
+        tier_buffered = next(t for t in reversed(tiers) if t.config.direct_io is False)
+        default_mode = "direct" if tier.direct_io else "buffered (no O_DIRECT here)"
         loop = asyncio.new_event_loop()
 
         async def all_keys() -> list[bytes]:
@@ -242,19 +261,20 @@ def main() -> None:
 
         keys = loop.run_until_complete(all_keys())
         outs = [bytearray(page_bytes) for _ in keys]
-        seg_files = sorted((tier.config.root / "segments").glob("*.seg"))
-        direct_files = sorted((tier_direct.config.root / "segments").glob("*.seg"))
 
-        def tier_read(tier: DiskTier = tier, files: list[Path] = seg_files) -> float:
+        def seg_files(t: DiskTier) -> list[Path]:
+            return sorted((t.config.root / "segments").glob("*.seg"))
+
+        def tier_read(t: DiskTier) -> float:
             """Seconds of the reads alone: the cache drop before them is setup (for 32
             segment files it costs ~50 ms of fdatasync/fadvise calls here, a third of the
             read itself, against ~1 ms for the one raw file)."""
-            _drop_cache(files)
+            _drop_cache(seg_files(t))
             start = time.perf_counter()
 
             async def go() -> None:
                 batches = [
-                    tier.get_many_into(keys[s : s + BATCH], outs[s : s + BATCH])
+                    t.get_many_into(keys[s : s + BATCH], outs[s : s + BATCH])
                     for s in range(0, len(keys), BATCH)
                 ]
                 for sizes in await asyncio.gather(*batches):
@@ -272,16 +292,37 @@ def main() -> None:
                 assert f.readinto(memoryview(big)) == total
             return time.perf_counter() - start
 
-        seg_buf = bytearray(max(p.stat().st_size for p in seg_files))
+        threads = tier.config.io_threads
+        pool = ThreadPoolExecutor(threads)
+        seg_bufs = [mmap.mmap(-1, _align_up(max(p.stat().st_size for p in seg_files(tier))))]
+        seg_bufs += [mmap.mmap(-1, len(seg_bufs[0])) for _ in range(threads - 1)]
 
-        def segments_read() -> float:
-            """The tier's segment files read whole, one after another, nothing verified: the
-            same bytes as the raw file (plus headers), in 32 files instead of one."""
-            _drop_cache(seg_files)
+        def segments_read(t: DiskTier, direct: bool) -> float:
+            """The tier's segment files read whole, each with one read, on as many threads as
+            the tier reads with, nothing verified: the same bytes as the raw file (plus
+            headers) in 32 files instead of one."""
+            files = seg_files(t)
+            _drop_cache(files)
+            free = list(seg_bufs)
+            lock = threading.Lock()
+            flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+
+            def read_one(path: Path) -> None:
+                with lock:
+                    buf = free.pop()
+                try:
+                    fd = os.open(path, flags)
+                    try:
+                        size = _align_up(os.fstat(fd).st_size) if direct else len(buf)
+                        os.preadv(fd, [memoryview(buf)[:size]], 0)
+                    finally:
+                        os.close(fd)
+                finally:
+                    with lock:
+                        free.append(buf)
+
             start = time.perf_counter()
-            for p in seg_files:
-                with open(p, "rb", buffering=0) as f:
-                    f.readinto(memoryview(seg_buf))
+            list(pool.map(read_one, files))
             return time.perf_counter() - start
 
         def raw_read_direct() -> float:
@@ -295,126 +336,145 @@ def main() -> None:
                 os.close(fd)
             return time.perf_counter() - start
 
-        read_gbs, raw_read_gbs, seg_read_gbs, raw_read_direct_gbs, read_direct_gbs = (
-            total / s / GB
-            for s in _interleaved(
-                [
-                    tier_read,
-                    raw_read,
-                    segments_read,
-                    raw_read_direct,
-                    lambda: tier_read(tier_direct, direct_files),
-                ],
-                repeat,
+        read_sides: dict[str, Callable[[], float]] = {
+            "tier": lambda: tier_read(tier),
+            "raw": raw_read,
+            "tier_buffered": lambda: tier_read(tier_buffered),
+            "segments_direct": lambda: segments_read(tier, direct=True),
+            "segments_buffered": lambda: segments_read(tier_buffered, direct=False),
+            "raw_direct": raw_read_direct,
+        }
+        r = dict(
+            zip(
+                read_sides,
+                (total / s / GB for s in _interleaved(list(read_sides.values()), repeat)),
+                strict=True,
             )
         )
+        pool.shutdown()
         for t in tiers:
             loop.run_until_complete(t.close())
         loop.close()
 
     note = f"{num_pages} MLA pages of {page_bytes} B, batches of {BATCH}"
-    proto_ratio = proto_gbs / raw_direct_gbs
-    direct_read_ratio = raw_read_direct_gbs / raw_read_gbs
-    seg_ratio = seg_read_gbs / raw_read_gbs
-    write_result(
-        "disk",
-        args,
-        [
+    write_rows = [
+        (
+            "disk_write_buffered",
+            "tier_buffered",
+            "raw",
+            "the tier with direct_io=False (through the page cache), prehashed as the pool writes",
+        ),
+        (
+            "disk_write_checked",
+            "checked",
+            "raw",
+            "put_many without prehashed (a caller outside "
+            "the pool): every payload hashed once more to check its key before anything is "
+            "written",
+        ),
+        (
+            "disk_write_protocol_direct",
+            "protocol_direct",
+            "raw_direct",
+            "the crash-safe "
+            "protocol with no tier code, O_DIRECT: per batch a fresh .partial, one write, "
+            "fdatasync, rename, directory fsync; against the raw O_DIRECT append",
+        ),
+        (
+            "disk_write_protocol_buffered",
+            "protocol_buffered",
+            "raw",
+            "the same protocol "
+            "through the page cache (fsync); against the raw buffered append: the ceiling a "
+            "buffered tier has",
+        ),
+        (
+            "raw_write_direct",
+            "raw_direct",
+            "raw",
+            "the raw append through O_DIRECT (copy into an aligned buffer, write, the same fsyncs)",
+        ),
+    ]
+    baselines = {"raw": "raw_write_fsync", "raw_direct": "raw_write_direct"}
+    rows = [
+        Row(
+            name="disk_write",
+            value=w["tier"],
+            unit="GB/s",
+            baseline="raw_write_fsync",
+            baseline_value=w["raw"],
+            target_ratio=0.8,
+            note=f"{note}; the tier as configured by default ({default_mode}), prehashed as the "
+            "pool writes",
+            miss_reason=f"the crash-safe protocol alone ran at "
+            f"{w['protocol_direct'] / w['raw_direct']:.2f} of a raw O_DIRECT append and "
+            f"{w['protocol_buffered'] / w['raw']:.2f} of the raw buffered one in this run; this "
+            "shared virtual disk's state moves every side from round to round, so judge the "
+            "ratio over several runs",
+        ),
+        *(
             Row(
-                name="disk_write",
-                value=write_gbs,
+                name=name,
+                value=w[side],
                 unit="GB/s",
-                baseline="raw_write_fsync",
-                baseline_value=raw_write_gbs,
-                target_ratio=0.8,
-                note=note,
-                miss_reason="buffered, each batch's fresh segment (.partial, fsync, rename, "
-                "directory fsync) costs more than the raw append's fsync; the same tier with "
-                f"direct_io=True wrote at {direct_gbs / raw_write_gbs:.2f} of raw in this run "
-                "(row disk_write_direct) and its protocol alone at "
-                f"{proto_ratio:.2f} of a raw O_DIRECT append; this shared virtual disk's state "
-                "moves every side from round to round, so judge the ratio over several runs",
-            ),
-            Row(
-                name="disk_write_direct",
-                value=direct_gbs,
-                unit="GB/s",
-                baseline="raw_write_fsync",
-                baseline_value=raw_write_gbs,
-                note=f"{note}; the tier with direct_io=True (segments written around the page "
-                "cache), prehashed as the pool writes",
-            ),
-            Row(
-                name="disk_write_checked",
-                value=checked_gbs,
-                unit="GB/s",
-                baseline="raw_write_fsync",
-                baseline_value=raw_write_gbs,
-                note=f"{note}; put_many without prehashed (a caller outside the pool): every "
-                "payload hashed once more to check its key before anything is written",
-            ),
-            Row(
-                name="disk_write_protocol_alone",
-                value=proto_gbs,
-                unit="GB/s",
-                baseline="raw_write_direct",
-                baseline_value=raw_direct_gbs,
-                note=f"{note}; the atomic-write protocol in the tier's IO mode with no tier "
-                "code: per batch a fresh O_DIRECT .partial, one write, fdatasync, rename, "
-                "directory fsync (the ceiling it leaves; against the raw append in that mode)",
-            ),
-            Row(
-                name="raw_write_direct",
-                value=raw_direct_gbs,
-                unit="GB/s",
-                baseline="raw_write_fsync",
-                baseline_value=raw_write_gbs,
-                note=f"{note}; the raw append through O_DIRECT (copy into an aligned buffer, "
-                "write, the same fsyncs): raw IO in the tier's IO mode, for comparison",
-            ),
-            Row(
-                name="disk_read_verify",
-                value=read_gbs,
-                unit="GB/s",
-                baseline="raw_read_cold",
-                baseline_value=raw_read_gbs,
-                target_ratio=0.8,
-                note=note,
-                miss_reason="the pages live in 32 segment files (4.7 MB each) where the raw "
-                "bytes are one file: the segment files read whole, buffered, nothing verified, "
-                f"ran at {seg_ratio:.2f} of raw in this run (row disk_read_segments_alone); "
-                f"with direct_io=True the tier read at {read_direct_gbs / raw_read_gbs:.2f} "
-                f"(row disk_read_verify_direct), a raw O_DIRECT read at {direct_read_ratio:.2f}",
-            ),
-            Row(
-                name="disk_read_verify_direct",
-                value=read_direct_gbs,
-                unit="GB/s",
-                baseline="raw_read_cold",
-                baseline_value=raw_read_gbs,
-                note=f"{note}; the tier with direct_io=True: whole segment windows read around "
-                "the page cache on 8 IO threads, verified in a staging buffer, copied out",
-            ),
-            Row(
-                name="disk_read_segments_alone",
-                value=seg_read_gbs,
-                unit="GB/s",
-                baseline="raw_read_cold",
-                baseline_value=raw_read_gbs,
-                note=f"{note}; the tier's segment files read whole, cold, one after another, "
-                "no verification (what the file layout alone costs)",
-            ),
-            Row(
-                name="raw_read_direct",
-                value=raw_read_direct_gbs,
-                unit="GB/s",
-                baseline="raw_read_cold",
-                baseline_value=raw_read_gbs,
-                note=f"{note}; the raw file read with one O_DIRECT read: raw IO in the tier's IO "
-                "mode, for comparison",
-            ),
-        ],
-    )
+                baseline=baselines[base_side],
+                baseline_value=w[base_side],
+                note=f"{note}; {what}",
+            )
+            for name, side, base_side, what in write_rows
+        ),
+        Row(
+            name="disk_read_verify",
+            value=r["tier"],
+            unit="GB/s",
+            baseline="raw_read_cold",
+            baseline_value=r["raw"],
+            target_ratio=0.8,
+            note=f"{note}; the tier as configured by default ({default_mode}, "
+            f"{threads} IO threads): whole segment windows per read, every page verified",
+            miss_reason="the pages live in 32 segment files (4.7 MB each) where the raw bytes "
+            "are one file: those files read whole on the tier's threads, nothing verified, ran "
+            f"at {r['segments_direct'] / r['raw']:.2f} of raw direct and "
+            f"{r['segments_buffered'] / r['raw']:.2f} buffered in this run (rows "
+            "disk_read_segments_*); judge the ratio over several runs",
+        ),
+        Row(
+            name="disk_read_verify_buffered",
+            value=r["tier_buffered"],
+            unit="GB/s",
+            baseline="raw_read_cold",
+            baseline_value=r["raw"],
+            note=f"{note}; the tier with direct_io=False: one preadv per record straight into "
+            "the caller's buffer, verified there",
+        ),
+        Row(
+            name="disk_read_segments_direct",
+            value=r["segments_direct"],
+            unit="GB/s",
+            baseline="raw_read_cold",
+            baseline_value=r["raw"],
+            note=f"{note}; the default tier's segment files read whole with O_DIRECT on "
+            f"{threads} threads, nothing verified (what the file layout alone allows)",
+        ),
+        Row(
+            name="disk_read_segments_buffered",
+            value=r["segments_buffered"],
+            unit="GB/s",
+            baseline="raw_read_cold",
+            baseline_value=r["raw"],
+            note=f"{note}; the buffered tier's segment files read whole through the page "
+            f"cache on {threads} threads, cold, nothing verified",
+        ),
+        Row(
+            name="raw_read_direct",
+            value=r["raw_direct"],
+            unit="GB/s",
+            baseline="raw_read_cold",
+            baseline_value=r["raw"],
+            note=f"{note}; the raw file read with one O_DIRECT read",
+        ),
+    ]
+    write_result("disk", args, rows)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Direct (``O_DIRECT``) file IO for segment files: aligned staging buffers, streamed writes,
-windowed reads. Used when ``DiskTierConfig.direct_io`` asks for it (off by default: see there).
+windowed reads. Used where the filesystem allows it unless ``DiskTierConfig.direct_io`` is False
+(see there for when each mode wins).
 
 Why bypass the page cache: the tier sits under a memory pool that already caches the hot
 pages, so a second copy in the kernel's page cache only competes with the pool for memory, and

@@ -31,18 +31,26 @@ class DiskTierConfig:
     """A batch larger than this is written as several segment files (bounds one write)."""
     io_threads: int = 4
     """Threads doing file IO, hashing and checksums off the event loop; each keeps one read in
-    flight. With ``direct_io`` more help: 2,048 MLA pages read back in 64-page batches at 1.49
-    GB/s with 8 threads against 1.36 with 4 here (raw 1.71), each direct transfer holding an
-    8 MiB staging buffer while it runs; buffered, 8 threads read no faster than 4 (1.10 against
-    1.11 GB/s)."""
-    direct_io: bool | None = False
-    """Read and write segments around the page cache (``O_DIRECT``). Off by default: the page
-    cache then keeps recently spilled pages in spare RAM, and the chaos load test (16 clients
-    spilling and restoring constantly) ran at 93.0 ops/s buffered against 80.6 direct, each in
-    a full clean-clone test run. On: cold batched writes ran 1.2-3x faster here and steadier
-    (``bench_disk``, ``storage/_direct.py``), and the page cache is left to others (a node whose
-    RAM belongs to the pinned host tier). None: direct where the filesystem supports it, else
-    buffered; True: required (opening a root on a filesystem without it fails)."""
+    flight. More are not faster on 2 cores: reading 2,048 MLA pages back (``bench_disk``,
+    direct IO), 4 threads gave 0.61-0.94 of a raw cold read over 8 runs (5 at or above 0.8),
+    8 threads 0.64-0.93 over 3, each thread's verification competing for the cores the
+    others need to keep their reads in flight; each direct transfer holds an 8 MiB staging
+    buffer while it runs."""
+    direct_io: bool | None = None
+    """Read and write segments around the page cache (``O_DIRECT``). None (the default): direct
+    where the root's filesystem supports it, else buffered; True: required (opening a root on a
+    filesystem without it fails); False: buffered. Why direct by default: the crash-safe segment
+    protocol itself (a fresh ``.partial`` per batch, fsync, rename, directory fsync), run with
+    no tier code through the page cache, wrote at a median 0.78 of a raw buffered append with
+    the same fsyncs (0.34-0.89 over 11 ``bench_disk`` runs), so a buffered tier cannot reliably
+    meet the 0.8 write target, while the direct tier wrote at 0.92-2.4x that append in the
+    same runs. Reads: the tier's segment files read whole with
+    O_DIRECT ran at 0.95-1.35 of one raw buffered read of the same bytes, read whole through
+    the page cache at 0.41-0.88. The tier sits under a memory pool that caches the hot pages, so
+    the page cache's second copy competes with the pool (and the pinned host tier) for RAM.
+    What buffered IO wins: a workload that restores pages right after spilling them reads them
+    from spare RAM; the chaos load test, which does that constantly, ran at 93.0 ops/s buffered
+    against 80.6 direct (one full clean-clone test run each)."""
     progress_min_files: int = 10_000
     """Segment count from which opening a root shows a progress line on a TTY stderr."""
     progress: bool | None = None
