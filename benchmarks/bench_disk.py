@@ -395,84 +395,88 @@ def main() -> None:
             "the raw append through O_DIRECT (copy into an aligned buffer, write, the same fsyncs)",
         ),
     ]
-    baselines = {"raw": "raw_write_fsync", "raw_direct": "raw_write_direct"}
-    rows = [
-        Row(
-            name="disk_write",
-            value=w["tier"],
-            unit="GB/s",
-            baseline="raw_write_fsync",
-            baseline_value=w["raw"],
-            target_ratio=0.8,
-            note=f"{note}; the tier as configured by default ({default_mode}), prehashed as the "
-            "pool writes",
-            miss_reason=f"the crash-safe protocol alone ran at "
-            f"{w['protocol_direct'] / w['raw_direct']:.2f} of a raw O_DIRECT append and "
-            f"{w['protocol_buffered'] / w['raw']:.2f} of the raw buffered one in this run; this "
-            "shared virtual disk's state moves every side from round to round, so judge the "
-            "ratio over several runs",
-        ),
-        *(
+
+    def side_rows(
+        vals: dict[str, float], baselines: dict[str, str], specs: list[tuple[str, str, str, str]]
+    ) -> list[Row]:
+        """Rows reported beside a target row: (name, side, baseline side, what it measures)."""
+        return [
             Row(
                 name=name,
-                value=w[side],
+                value=vals[side],
                 unit="GB/s",
-                baseline=baselines[base_side],
-                baseline_value=w[base_side],
+                baseline=baselines[base],
+                baseline_value=vals[base],
                 note=f"{note}; {what}",
             )
-            for name, side, base_side, what in write_rows
+            for name, side, base, what in specs
+        ]
+
+    read_rows = [
+        (
+            "disk_read_verify_buffered",
+            "tier_buffered",
+            "raw",
+            "the tier with direct_io=False: one "
+            "preadv per record straight into the caller's buffer, verified there",
         ),
-        Row(
-            name="disk_read_verify",
-            value=r["tier"],
+        (
+            "disk_read_segments_direct",
+            "segments_direct",
+            "raw",
+            "the default tier's segment files read "
+            f"whole with O_DIRECT on {threads} threads, nothing verified (what the file layout "
+            "alone allows)",
+        ),
+        (
+            "disk_read_segments_buffered",
+            "segments_buffered",
+            "raw",
+            "the buffered tier's segment files "
+            f"read whole through the page cache on {threads} threads, cold, nothing verified",
+        ),
+        ("raw_read_direct", "raw_direct", "raw", "the raw file read with one O_DIRECT read"),
+    ]
+
+    def target_row(name: str, vals: dict[str, float], baseline: str, what: str, miss: str) -> Row:
+        """The issue's row: the default tier (side "tier") against its raw side ("raw")."""
+        return Row(
+            name=name,
+            value=vals["tier"],
             unit="GB/s",
-            baseline="raw_read_cold",
-            baseline_value=r["raw"],
+            baseline=baseline,
+            baseline_value=vals["raw"],
             target_ratio=0.8,
-            note=f"{note}; the tier as configured by default ({default_mode}, "
-            f"{threads} IO threads): whole segment windows per read, every page verified",
-            miss_reason="the pages live in 32 segment files (4.7 MB each) where the raw bytes "
-            "are one file: those files read whole on the tier's threads, nothing verified, ran "
-            f"at {r['segments_direct'] / r['raw']:.2f} of raw direct and "
+            note=f"{note}; {what}",
+            miss_reason=miss,
+        )
+
+    rows = [
+        target_row(
+            "disk_write",
+            w,
+            "raw_write_fsync",
+            f"the tier as configured by default ({default_mode}), prehashed as the pool writes",
+            f"the crash-safe protocol alone ran at {w['protocol_direct'] / w['raw_direct']:.2f} "
+            f"of a raw O_DIRECT append and {w['protocol_buffered'] / w['raw']:.2f} of the raw "
+            "buffered one in this run; this shared virtual disk's state moves every side from "
+            "round to round, so judge the ratio over several runs",
+        ),
+        *side_rows(w, {"raw": "raw_write_fsync", "raw_direct": "raw_write_direct"}, write_rows),
+        target_row(
+            "disk_read_verify",
+            r,
+            "raw_read_cold",
+            f"the tier as configured by default ({default_mode}, {threads} IO threads): whole "
+            "segment windows per read, every page verified",
+            "the pages live in 32 segment files (4.7 MB each) where the raw bytes are one file: "
+            "those files read whole on the tier's threads, nothing verified, ran at "
+            f"{r['segments_direct'] / r['raw']:.2f} of raw direct and "
             f"{r['segments_buffered'] / r['raw']:.2f} buffered in this run (rows "
-            "disk_read_segments_*); judge the ratio over several runs",
+            "disk_read_segments_*); the tier's per-page verification and copy share the 2 cores "
+            "with keeping reads in flight; judge the ratio over several runs",
         ),
-        Row(
-            name="disk_read_verify_buffered",
-            value=r["tier_buffered"],
-            unit="GB/s",
-            baseline="raw_read_cold",
-            baseline_value=r["raw"],
-            note=f"{note}; the tier with direct_io=False: one preadv per record straight into "
-            "the caller's buffer, verified there",
-        ),
-        Row(
-            name="disk_read_segments_direct",
-            value=r["segments_direct"],
-            unit="GB/s",
-            baseline="raw_read_cold",
-            baseline_value=r["raw"],
-            note=f"{note}; the default tier's segment files read whole with O_DIRECT on "
-            f"{threads} threads, nothing verified (what the file layout alone allows)",
-        ),
-        Row(
-            name="disk_read_segments_buffered",
-            value=r["segments_buffered"],
-            unit="GB/s",
-            baseline="raw_read_cold",
-            baseline_value=r["raw"],
-            note=f"{note}; the buffered tier's segment files read whole through the page "
-            f"cache on {threads} threads, cold, nothing verified",
-        ),
-        Row(
-            name="raw_read_direct",
-            value=r["raw_direct"],
-            unit="GB/s",
-            baseline="raw_read_cold",
-            baseline_value=r["raw"],
-            note=f"{note}; the raw file read with one O_DIRECT read",
-        ),
+        *side_rows(r, {"raw": "raw_read_cold"}, read_rows),
     ]
     write_result("disk", args, rows)
 

@@ -32,25 +32,30 @@ class DiskTierConfig:
     io_threads: int = 4
     """Threads doing file IO, hashing and checksums off the event loop; each keeps one read in
     flight. More are not faster on 2 cores: reading 2,048 MLA pages back (``bench_disk``,
-    direct IO), 4 threads gave 0.61-0.94 of a raw cold read over 8 runs (5 at or above 0.8),
-    8 threads 0.64-0.93 over 3, each thread's verification competing for the cores the
-    others need to keep their reads in flight; each direct transfer holds an 8 MiB staging
-    buffer while it runs."""
+    direct IO), 4 threads gave 0.61-0.94 of a raw cold read over 11 runs (median 0.81, 6 at
+    or above 0.8), 8 threads 0.64-0.93 over 3, each thread's verification competing for the
+    cores the others need to keep their reads in flight. Each direct transfer holds an 8 MiB
+    staging buffer while it runs."""
     direct_io: bool | None = None
     """Read and write segments around the page cache (``O_DIRECT``). None (the default): direct
     where the root's filesystem supports it, else buffered; True: required (opening a root on a
-    filesystem without it fails); False: buffered. Why direct by default: the crash-safe segment
-    protocol itself (a fresh ``.partial`` per batch, fsync, rename, directory fsync), run with
-    no tier code through the page cache, wrote at a median 0.78 of a raw buffered append with
-    the same fsyncs (0.34-0.89 over 11 ``bench_disk`` runs), so a buffered tier cannot reliably
-    meet the 0.8 write target, while the direct tier wrote at 0.92-2.4x that append in the
-    same runs. Reads: the tier's segment files read whole with
-    O_DIRECT ran at 0.95-1.35 of one raw buffered read of the same bytes, read whole through
-    the page cache at 0.41-0.88. The tier sits under a memory pool that caches the hot pages, so
-    the page cache's second copy competes with the pool (and the pinned host tier) for RAM.
+    filesystem without it fails); False: buffered.
+
+    Why direct by default: the crash-safe segment protocol itself (a fresh ``.partial`` per
+    batch, fsync, rename, directory fsync), run with no tier code through the page cache, wrote
+    at a median 0.78 of a raw buffered append with the same fsyncs (0.34-0.89 over 11
+    ``bench_disk`` runs), so a buffered tier cannot reliably meet the 0.8 write target, while
+    the direct tier wrote at 0.92-2.4x that append in the same runs. Reading the tier's
+    segment files whole, nothing verified, ran at 0.88-1.39 of one raw buffered read of the
+    same bytes with O_DIRECT and at 0.41-0.91 through the page cache. The tier sits under a
+    memory pool that caches the hot pages, so the page cache's second copy competes with the
+    pool (and the pinned host tier) for RAM.
+
     What buffered IO wins: a workload that restores pages right after spilling them reads them
-    from spare RAM; the chaos load test, which does that constantly, ran at 93.0 ops/s buffered
-    against 80.6 direct (one full clean-clone test run each)."""
+    from spare RAM. The chaos load test, which does that constantly, ran alone four times back
+    to back at 82.4 and 76.8 ops/s direct against 83.3 and 83.3 buffered (``pytest
+    tests/chaos/test_load.py``); an earlier 80.6 against 93.0 compared two whole test-suite
+    runs on different days."""
     progress_min_files: int = 10_000
     """Segment count from which opening a root shows a progress line on a TTY stderr."""
     progress: bool | None = None
