@@ -473,8 +473,9 @@ def main() -> None:
             "those files read whole on the tier's threads, nothing verified, ran at "
             f"{r['segments_direct'] / r['raw']:.2f} of raw direct and "
             f"{r['segments_buffered'] / r['raw']:.2f} buffered in this run (rows "
-            "disk_read_segments_*); the tier's per-page verification and copy share the 2 cores "
-            "with keeping reads in flight; judge the ratio over several runs",
+            "disk_read_segments_*); the tier's per-page header checks and copy-out hold the "
+            "GIL, so an IO thread that finished a read waits for it before issuing the next "
+            "(the process stays under one core busy); judge the ratio over several runs",
         ),
         *side_rows(r, {"raw": "raw_read_cold"}, read_rows),
     ]
