@@ -269,6 +269,20 @@ def run_case(page_bytes: int, n: int, reps: int) -> dict[str, float]:
     return out
 
 
+def _vs_raw(
+    r: dict[str, float], nbytes: int, label: str, note: str, name: str, key: str, what: str
+) -> Row:
+    """A part of the fetch path timed in ms (``r[key]``), as GB/s against raw NIXL READ."""
+    return Row(
+        name=name,
+        value=nbytes / r[key] / 1e6,
+        unit="GB/s",
+        baseline=f"raw_nixl_read_{label}",
+        baseline_value=r["raw"],
+        note=f"{note}; {what}",
+    )
+
+
 def main() -> None:
     args = parse_args("transport")
     import ray
@@ -299,6 +313,7 @@ def main() -> None:
                 f"{nbytes / r['raw'] / 1e6:.1f} + {r['hash_ms']:.1f} ms apart, row "
                 f"read_while_hashing_{label}), so verifying costs the whole hash"
             )
+
             rows += [
                 Row(name=f"raw_nixl_read_{label}", value=r["raw"], unit="GB/s", note=note),
                 Row(name=f"ray_object_store_{label}", value=r["ray"], unit="GB/s", note=note),
@@ -323,13 +338,14 @@ def main() -> None:
                     note=note,
                     miss_reason=f"{why}; on one node Ray's get is a copy out of shared memory",
                 ),
-                Row(
-                    name=f"fetch_read_verify_seal_{label}",
-                    value=nbytes / r["read_verify_seal_ms"] / 1e6,
-                    unit="GB/s",
-                    baseline=f"raw_nixl_read_{label}",
-                    baseline_value=r["raw"],
-                    note=f"{note}; the reader's part of the full path (no owner round trip)",
+                _vs_raw(
+                    r,
+                    nbytes,
+                    label,
+                    note,
+                    f"fetch_read_verify_seal_{label}",
+                    "read_verify_seal_ms",
+                    "the reader's part of the full path (no owner round trip)",
                 ),
                 Row(
                     name=f"fetch_owner_call_{label}",
@@ -337,23 +353,25 @@ def main() -> None:
                     unit="ms",
                     note=f"{note}; lookup + pin + export, one actor round trip",
                 ),
-                Row(
-                    name=f"hash_pages_{label}",
-                    value=nbytes / r["hash_ms"] / 1e6,
-                    unit="GB/s",
-                    baseline=f"raw_nixl_read_{label}",
-                    baseline_value=r["raw"],
-                    note=f"{note}; xxh3-128 of every page in the reader, nothing else running",
+                _vs_raw(
+                    r,
+                    nbytes,
+                    label,
+                    note,
+                    f"hash_pages_{label}",
+                    "hash_ms",
+                    "xxh3-128 of every page in the reader, nothing else running",
                 ),
-                Row(
-                    name=f"read_while_hashing_{label}",
-                    value=nbytes / r["read_while_hashing_ms"] / 1e6,
-                    unit="GB/s",
-                    baseline=f"raw_nixl_read_{label}",
-                    baseline_value=r["raw"],
-                    note=f"{note}; a raw READ on a second thread while this one hashes as many "
-                    "other bytes, GB/s of the READ's bytes: at 1.0 the hashing would be free, "
-                    "at READ+hash apart it does not overlap at all",
+                _vs_raw(
+                    r,
+                    nbytes,
+                    label,
+                    note,
+                    f"read_while_hashing_{label}",
+                    "read_while_hashing_ms",
+                    "a raw READ on a second thread while this one hashes as many other bytes, "
+                    "GB/s of the READ's bytes: at 1.0 the hashing would be free, at READ+hash "
+                    "apart it does not overlap at all",
                 ),
                 Row(
                     name=f"actor_noop_call_{label}",
