@@ -12,8 +12,10 @@ buffered append with the same fsyncs, and the direct side never fell into the bu
 four threads ran at 1.77 GB/s against 1.60 GB/s for one raw buffered read of the same bytes.
 
 Direct IO needs the buffer, the file offset and the length aligned to the device's logical
-block: every transfer goes through a page-aligned staging buffer, a write is padded to the
-alignment and the file truncated back to its true length before its fsync. Staging buffers are
+block: writes, and reads into buffers that are not block-aligned, go through a page-aligned
+staging buffer; a write is padded to the alignment and the file truncated back to its true
+length before its fsync. Reads of aligned records into aligned buffers (pool slots) skip the
+staging buffer: one scattered ``preadv`` per window (see ``_io``). Staging buffers are
 shared by every tier of the process and reused (a fresh 8 MiB buffer costs ~2,000 page faults
 and its zeroing before its first byte moves); there are as many as transfers ever ran at once.
 """

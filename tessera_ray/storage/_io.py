@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -10,7 +12,15 @@ from pathlib import Path
 from tessera_ray.errors import InvalidKeyError
 from tessera_ray.storage import _direct as D
 from tessera_ray.storage import _files as F
-from tessera_ray.storage._format import HEADER_BYTES, pack_header, parse_header, record_check
+from tessera_ray.storage._format import (
+    ALIGNED_HEAD_BYTES,
+    BLOCK_BYTES,
+    HEADER_BYTES,
+    pack_header,
+    parse_header,
+    record_check,
+    record_heads,
+)
 from tessera_ray.storage.keys import ContentHasher
 
 __all__ = [
@@ -42,6 +52,12 @@ class ReadItem:
     segment: str
     offset: int
     payload_len: int
+    head_bytes: int
+    """Where the payload starts, from ``offset`` (the record's header block)."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.head_bytes + self.payload_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +122,11 @@ def write_segment(
     path = seg_dir / name
     partial = seg_dir / (name + F.PARTIAL_SUFFIX)
     bufs: list[memoryview | bytes] = []
-    for (key, view), digest in zip(items, digests, strict=True):
-        bufs.append(pack_header(fingerprint, key, view.nbytes, digest))
+    heads = record_heads(v.nbytes for _, v in items)
+    for (key, view), digest, head in zip(items, digests, heads, strict=True):
+        bufs.append(pack_header(fingerprint, key, view.nbytes, digest, head))
         bufs.append(view)
-    total = sum(HEADER_BYTES + v.nbytes for _, v in items)
+    total = sum(heads) + sum(v.nbytes for _, v in items)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     fd = os.open(partial, flags, 0o644)
     try:
@@ -167,17 +184,47 @@ Quarantine = Callable[[str, int, int, bytes, str, int], None]
 def _read_into(
     fd: int, item: ReadItem, out: memoryview, head: memoryview
 ) -> tuple[memoryview, memoryview]:
-    """Header and payload of one record with one preadv, straight into ``head`` (scratch) and
-    the caller's buffer; what each received (a read cut short by the end of the file leaves
-    them short, which verification calls truncated)."""
+    """Header block and payload of one record with one preadv, straight into ``head``
+    (scratch of ``ALIGNED_HEAD_BYTES``) and the caller's buffer; what each received (a read
+    cut short by the end of the file leaves them short, which verification calls
+    truncated)."""
     payload = out[: item.payload_len]
-    got = os.preadv(fd, [head, payload], item.offset)
-    return head[: min(got, HEADER_BYTES)], payload[: max(0, got - HEADER_BYTES)]
+    got = os.preadv(fd, [head[: item.head_bytes], payload], item.offset)
+    return head[: min(got, HEADER_BYTES)], payload[: max(0, got - item.head_bytes)]
 
 
 def _read_one(fd: int, item: ReadItem) -> tuple[bytes, bytes]:
     head = os.pread(fd, HEADER_BYTES, item.offset)
-    return head, os.pread(fd, item.payload_len, item.offset + HEADER_BYTES)
+    return head, os.pread(fd, item.payload_len, item.offset + item.head_bytes)
+
+
+def _address(view: memoryview) -> int:
+    """Address of a writable buffer's first byte (the export is released before returning)."""
+    c = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(c)
+    finally:
+        del c
+
+
+def _scatter_ok(plan: list[ReadItem], run: list[int], outs: list[memoryview]) -> bool:
+    """Whether one direct preadv can land the run's payloads straight in ``outs``: aligned
+    records back to back in the file, each payload whole blocks, each buffer block-aligned."""
+    if 2 * len(run) > _IOV_MAX:
+        return False
+    end = plan[run[0]].offset
+    for i in run:
+        item = plan[i]
+        if (
+            item.offset != end
+            or item.head_bytes != ALIGNED_HEAD_BYTES
+            or item.offset % BLOCK_BYTES
+            or item.payload_len % BLOCK_BYTES
+            or _address(outs[i]) % BLOCK_BYTES
+        ):
+            return False
+        end = item.end
+    return True
 
 
 _WINDOW_GAP_BYTES = 1 << 20
@@ -192,7 +239,7 @@ def _windows(plan: list[ReadItem], idxs: list[int]) -> list[list[int]]:
     start = end = 0
     for i in idxs:
         item = plan[i]
-        rec_end = item.offset + HEADER_BYTES + item.payload_len
+        rec_end = item.end
         if (
             runs
             and item.offset - end <= _WINDOW_GAP_BYTES
@@ -234,7 +281,7 @@ class _SegmentReader:
         # In file order, one record at a time: each read returns as soon as its record is in,
         # so verifying it overlaps the kernel's readahead of the next ones (reading a whole
         # batch with one preadv measured slower: nothing is verified until all of it arrived).
-        scratch = memoryview(bytearray(HEADER_BYTES))
+        scratch = memoryview(bytearray(ALIGNED_HEAD_BYTES))
         for i in idxs:
             item = self.plan[i]
             head: bytes | memoryview
@@ -248,34 +295,86 @@ class _SegmentReader:
                 _check_out(i, self.outs[i], item)
                 head, view = _read_into(self.fd, item, self.outs[i], scratch)
                 reason = verify_record(item, head, view, self.fingerprint, self.hashing)
+                if reason is not None:  # no unverified byte stays in a caller's buffer
+                    self.outs[i][: item.payload_len] = bytes(item.payload_len)
                 yield i, reason, item.payload_len
 
     def direct(self, idxs: list[int]) -> Iterator[tuple[int, str | None, bytes | int]]:
-        # Whole windows of records per aligned read, verified in the staging buffer: only
-        # bytes that passed verification ever reach the caller's buffer.
+        # Whole windows of records per aligned read. Into the caller's buffers where they and
+        # the records are aligned (zero copy: the payloads never pass through a staging
+        # buffer), else into a staging buffer, verified there and copied out.
         plan = self.plan
+        outs = self.outs
         for run in _windows(plan, idxs):
-            first, last = plan[run[0]], plan[run[-1]]
-            end = last.offset + HEADER_BYTES + last.payload_len
-            verdicts: list[tuple[int, str | None, bytes | int]] = []
-            with D.read_direct(self.fd, first.offset, end) as (buf, base):
+            if outs is not None:
                 for i in run:
-                    item = plan[i]
-                    if self.outs is not None:
-                        _check_out(i, self.outs[i], item)
-                    rel = base + item.offset - first.offset
-                    head = buf[rel : rel + HEADER_BYTES]
-                    body = buf[rel + HEADER_BYTES : rel + HEADER_BYTES + item.payload_len]
-                    reason = verify_record(item, head, body, self.fingerprint, self.hashing)
-                    if reason is not None:
-                        verdicts.append((i, reason, 0))
-                    elif self.outs is None:
-                        verdicts.append((i, None, bytes(body)))
+                    _check_out(i, outs[i], plan[i])
+                if _scatter_ok(plan, run, outs):
+                    try:
+                        scattered = self._scattered(run, outs)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:  # EINVAL: the device wants 4 KiB blocks
+                            raise
                     else:
-                        self.outs[i][: item.payload_len] = body
-                        verdicts.append((i, None, item.payload_len))
-                    del head, body  # views of the staging buffer, released with it
-            yield from verdicts
+                        yield from scattered
+                        continue
+            yield from self._staged(run)
+
+    def _scattered(
+        self, run: list[int], outs: list[memoryview]
+    ) -> list[tuple[int, str | None, bytes | int]]:
+        """One preadv of the run: header blocks into staging, payloads into ``outs``. A
+        payload that fails verification is zeroed: no unverified byte stays in a caller's
+        buffer."""
+        plan = self.plan
+        first = plan[run[0]].offset
+        verdicts: list[tuple[int, str | None, bytes | int]] = []
+        with D.staging(len(run) * ALIGNED_HEAD_BYTES) as heads:
+            iov: list[memoryview] = []
+            for k, i in enumerate(run):
+                iov.append(heads[k * ALIGNED_HEAD_BYTES : (k + 1) * ALIGNED_HEAD_BYTES])
+                iov.append(outs[i][: plan[i].payload_len])
+            got = os.preadv(self.fd, iov, first)
+            del iov
+            for k, i in enumerate(run):
+                item = plan[i]
+                have = got - (item.offset - first)  # bytes of this record that arrived
+                head = heads[k * ALIGNED_HEAD_BYTES : k * ALIGNED_HEAD_BYTES + HEADER_BYTES]
+                body = outs[i][: max(0, min(item.payload_len, have - item.head_bytes))]
+                if have < HEADER_BYTES:
+                    head = head[: max(0, have)]
+                reason = verify_record(item, head, body, self.fingerprint, self.hashing)
+                if reason is None:
+                    verdicts.append((i, None, item.payload_len))
+                else:
+                    outs[i][: item.payload_len] = bytes(item.payload_len)
+                    verdicts.append((i, reason, 0))
+                del head, body
+        return verdicts
+
+    def _staged(self, run: list[int]) -> Iterator[tuple[int, str | None, bytes | int]]:
+        """The run read into a staging buffer, verified there: only bytes that passed
+        verification reach the caller."""
+        plan = self.plan
+        first, last = plan[run[0]], plan[run[-1]]
+        verdicts: list[tuple[int, str | None, bytes | int]] = []
+        with D.read_direct(self.fd, first.offset, last.end) as (buf, base):
+            for i in run:
+                item = plan[i]
+                rel = base + item.offset - first.offset
+                head = buf[rel : rel + HEADER_BYTES]
+                start = rel + item.head_bytes
+                body = buf[start : start + item.payload_len]
+                reason = verify_record(item, head, body, self.fingerprint, self.hashing)
+                if reason is not None:
+                    verdicts.append((i, reason, 0))
+                elif self.outs is None:
+                    verdicts.append((i, None, bytes(body)))
+                else:
+                    self.outs[i][: item.payload_len] = body
+                    verdicts.append((i, None, item.payload_len))
+                del head, body  # views of the staging buffer, released with it
+        yield from verdicts
 
 
 def read_records(
@@ -311,7 +410,7 @@ def read_records(
                     continue
                 item = plan[i]
                 try:
-                    span = HEADER_BYTES + item.payload_len
+                    span = item.head_bytes + item.payload_len
                     quarantine(seg_name, item.offset, span, item.key, reason, size)
                 except OSError as exc:
                     reason += f" (could not quarantine: {exc.strerror})"

@@ -55,10 +55,7 @@ from tessera_ray.errors import (
 from tessera_ray.storage import _direct as D
 from tessera_ray.storage import _files as F
 from tessera_ray.storage import _io
-from tessera_ray.storage._format import (
-    HEADER_BYTES,
-    scan_segment,
-)
+from tessera_ray.storage._format import record_heads, scan_segment
 from tessera_ray.storage._progress import Progress
 from tessera_ray.storage.config import DiskTierConfig
 from tessera_ray.storage.keys import ContentHasher, Payload, content_hasher, normalize_key
@@ -76,6 +73,7 @@ class _Entry:
     segment: _Segment
     offset: int
     payload_len: int
+    head_bytes: int
 
 
 @dataclass(slots=True, eq=False)
@@ -272,7 +270,7 @@ class DiskTier(Tier):
             assert h is not None
             if h.key in self._index:  # a duplicate from racing writers: first copy wins
                 continue
-            self._index[h.key] = _Entry(seg, item.offset, h.payload_len)
+            self._index[h.key] = _Entry(seg, item.offset, h.payload_len, h.head_bytes)
             seg.live.add(h.key)
         if seg.live:
             self._segments[name] = seg
@@ -345,7 +343,7 @@ class DiskTier(Tier):
         chunks: list[list[_Item]] = [[]]
         size = 0
         for key, view in fresh:
-            rec = HEADER_BYTES + view.nbytes
+            rec = record_heads([view.nbytes])[0] + view.nbytes  # its size first in a segment
             if rec > self.config.capacity_bytes:
                 raise StorageError(
                     f"a page of {view.nbytes} B does not fit in capacity_bytes "
@@ -393,7 +391,8 @@ class DiskTier(Tier):
         for chunk in self._chunks(fresh):
             digests = all_digests[done : done + len(chunk)]
             done += len(chunk)
-            size = sum(HEADER_BYTES + v.nbytes for _, v in chunk)
+            heads = record_heads(v.nbytes for _, v in chunk)
+            size = sum(heads) + sum(v.nbytes for _, v in chunk)
             gone = self._evict_for(size)
             self._used += size  # reserved before the write so concurrent puts respect capacity
             name = self._segment_name([k for k, _ in chunk])
@@ -410,11 +409,11 @@ class DiskTier(Tier):
                 ) from None
             seg = _Segment(name=name, size=size)
             offset = 0
-            for key, view in chunk:
+            for (key, view), head in zip(chunk, heads, strict=True):
                 if key not in self._index:  # a concurrent put may have stored it meanwhile
-                    self._index[key] = _Entry(seg, offset, view.nbytes)
+                    self._index[key] = _Entry(seg, offset, view.nbytes, head)
                     seg.live.add(key)
-                offset += HEADER_BYTES + view.nbytes
+                offset += head + view.nbytes
             self._segments[name] = seg
 
     # --- reads ------------------------------------------------------------------------------
@@ -429,7 +428,11 @@ class DiskTier(Tier):
         for i, key in enumerate(raws):
             entry = self._index.get(key)
             if entry is not None:
-                plan.append(_io.ReadItem(key, entry.segment.name, entry.offset, entry.payload_len))
+                plan.append(
+                    _io.ReadItem(
+                        key, entry.segment.name, entry.offset, entry.payload_len, entry.head_bytes
+                    )
+                )
                 entries.append(entry)
                 where.append(i)
                 self._segments.move_to_end(entry.segment.name)
@@ -524,7 +527,7 @@ class DiskTier(Tier):
                 continue
             self._drop(key, entry, dead)
             if entry.segment.live:  # others still live there: tombstone just this record
-                span = HEADER_BYTES + entry.payload_len
+                span = entry.head_bytes + entry.payload_len
                 spans.append((entry.segment.name, entry.offset, span, entry.segment.size + 1))
         spans = [s for s in spans if s[0] not in dead]
         if spans or dead:

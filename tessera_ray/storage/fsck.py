@@ -74,7 +74,7 @@ def _check_record(
     if h.fingerprint != fp16:
         return "layout fingerprint mismatch"
     head = os.pread(fd, HEADER_BYTES, item.offset)
-    payload = memoryview(os.pread(fd, h.payload_len, item.offset + HEADER_BYTES))
+    payload = memoryview(os.pread(fd, h.payload_len, item.offset + h.head_bytes))
     d = digest(payload)
     if record_check(head[:64], d) != h.record_check:
         return "record checksum mismatch"

@@ -82,8 +82,10 @@ def test_windows_gaps_and_records_larger_than_staging(
 
 
 def test_corrupt_record_never_reaches_the_callers_buffer(tmp_path: Path) -> None:
-    """Direct reads verify in the staging buffer: a record failing its checksum leaves the
-    caller's buffer as it was (buffered reads land first and are then rejected)."""
+    """Compact records (256 B payloads) are read into staging and verified there: a record
+    failing its checksum leaves the caller's buffer as it was. (Zero-copy reads of aligned
+    records, and buffered reads, land first and zero the buffer on a failure:
+    test_disk_aligned.py.)"""
     root = tmp_path / "t"
     items = [page(i) for i in range(3)]
 
