@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera_ray.core.hostmem import aligned_host_bytes
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.storage import DiskTier
 from tessera_ray.storage.keys import content_hasher, payload_view
@@ -75,10 +76,20 @@ class _Namespace:
 class DiskBlocks:
     """Block payloads and manifests under ``root/ns-<sha256(namespace)>/``."""
 
-    def __init__(self, root: Path, *, fingerprint: str, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        fingerprint: str,
+        capacity_bytes: int,
+        block_bytes: int | None = None,
+    ) -> None:
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
+        self.block_bytes = block_bytes
+        """Payload size of every block; when known, ``get`` reads payloads straight into one
+        aligned buffer (no staging copy, no ``bytes`` per block)."""
         self._spaces: dict[str, _Namespace] = {}
 
     def _space(self, namespace: str) -> _Namespace:
@@ -134,8 +145,10 @@ class DiskBlocks:
 
     async def get(
         self, namespace: str, token_keys: Sequence[TokenKey]
-    ) -> list[tuple[BlockHash, bytes] | None]:
-        """Verified payloads for ``token_keys`` (``None``: not on disk, or failed its checks)."""
+    ) -> list[tuple[BlockHash, bytes | memoryview] | None]:
+        """Verified payloads for ``token_keys`` (``None``: not on disk, or failed its checks);
+        with ``block_bytes`` set they are views of one page-aligned buffer, read there
+        directly."""
         space = self._spaces.get(namespace)
         if space is None:
             return [None] * len(token_keys)
@@ -149,11 +162,25 @@ class DiskBlocks:
             hashes[i] = BlockHash(int.from_bytes(raw[32:48], "big"))
             wanted.append(raw[48:64])
             where.append(i)
-        out: list[tuple[BlockHash, bytes] | None] = [None] * len(token_keys)
-        for i, payload in zip(where, await space.data.get_many(wanted), strict=True):
+        out: list[tuple[BlockHash, bytes | memoryview] | None] = [None] * len(token_keys)
+        for i, payload in zip(where, await self._payloads(space, wanted), strict=True):
             if payload is not None:
                 out[i] = (hashes[i], payload)
         return out
+
+    async def _payloads(
+        self, space: _Namespace, keys: list[bytes]
+    ) -> list[bytes | memoryview | None]:
+        size = self.block_bytes
+        if not keys or size is None:
+            return list(await space.data.get_many(keys))
+        scratch = aligned_host_bytes(len(keys) * size)
+        outs = [scratch[i * size : (i + 1) * size] for i in range(len(keys))]
+        try:
+            got = await space.data.get_many_into(keys, outs)
+        except ValueError:  # a stored payload larger than a block: read it as it is
+            return list(await space.data.get_many(keys))
+        return [o if n == size else None for o, n in zip(outs, got, strict=True)]
 
     async def discard(self, namespace: str, token_keys: Sequence[TokenKey]) -> None:
         space = self._spaces.get(namespace)

@@ -117,6 +117,7 @@ class PoolService(TransferMixin):
                 config.disk_root,
                 fingerprint=layout.fingerprint,
                 capacity_bytes=config.disk_capacity_bytes,
+                block_bytes=self.block_bytes,
             )
             if config.disk_root is not None
             else None

@@ -17,9 +17,7 @@ leaves the pool as it was.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import mmap
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +36,7 @@ from tessera_ray.core.hashing import (
     block_hash,
     xxh3_128,
 )
+from tessera_ray.core.hostmem import aligned_host_zeros
 from tessera_ray.core.results import (
     BlockHash,
     BlockSealResult,
@@ -65,27 +64,6 @@ __all__ = ["BlockPool"]
 
 _REGION_IDS = itertools.count(1)
 """Process-wide region ids, so a handle of one pool is recognised as forged by another."""
-
-
-def _aligned_host_zeros(num_pages: int, page_bytes: int) -> torch.Tensor:
-    """Zeroed ``[num_pages, page_bytes]`` host memory: an anonymous mapping (page-aligned)
-    asking for transparent huge pages, touched once so it is resident from the start.
-
-    Why not ``torch.zeros``: torch aligns host tensors to 64 B only, and ``O_DIRECT`` reads
-    need block-aligned buffers; from a page boundary every slot of a page size that is whole
-    blocks (MLA: 73,728 B) is aligned, so the disk tier reads a page straight into its slot
-    with no staging copy. Huge pages keep the slots physically contiguous in 2 MiB runs, so a
-    direct read into them is a few large device transfers rather than one per 4 KiB page:
-    reading 2,048 MLA pages back from the disk tier into slots (13 interleaved rounds, this VM)
-    ran at 0.90 of a raw cold read with huge pages, 0.80 into a fresh 4 KiB-page tensor and
-    0.58 into a ``torch.zeros`` pool allocated early (its pages scattered)."""
-    nbytes = num_pages * page_bytes
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages still work
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    flat = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
-    flat.zero_()  # fault every page in now, as torch.zeros did, not on first use
-    return flat.view(num_pages, page_bytes)
 
 
 class BlockPool:
@@ -131,7 +109,7 @@ class BlockPool:
                 pin_memory=pinned,
             )
         else:
-            self.data = _aligned_host_zeros(config.num_pages, self.page_bytes)
+            self.data = aligned_host_zeros(config.num_pages, self.page_bytes)
         # A flat memoryview of host memory lets xxh3 read a page in place, without a copy;
         # slicing it is cheaper than building a numpy row per page.
         self._host = None if config.is_cuda else self.data.numpy().reshape(-1).data

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera_ray.core.hostmem import buffer_address
 from tessera_ray.errors import InvalidKeyError
 from tessera_ray.storage import _direct as D
 from tessera_ray.storage import _files as F
@@ -198,15 +198,6 @@ def _read_one(fd: int, item: ReadItem) -> tuple[bytes, bytes]:
     return head, os.pread(fd, item.payload_len, item.offset + item.head_bytes)
 
 
-def _address(view: memoryview) -> int:
-    """Address of a writable buffer's first byte (the export is released before returning)."""
-    c = ctypes.c_char.from_buffer(view)
-    try:
-        return ctypes.addressof(c)
-    finally:
-        del c
-
-
 def _scatter_ok(plan: list[ReadItem], run: list[int], outs: list[memoryview]) -> bool:
     """Whether one direct preadv can land the run's payloads straight in ``outs``: aligned
     records back to back in the file, each payload whole blocks, each buffer block-aligned."""
@@ -220,7 +211,7 @@ def _scatter_ok(plan: list[ReadItem], run: list[int], outs: list[memoryview]) ->
             or item.head_bytes != ALIGNED_HEAD_BYTES
             or item.offset % BLOCK_BYTES
             or item.payload_len % BLOCK_BYTES
-            or _address(outs[i]) % BLOCK_BYTES
+            or buffer_address(outs[i]) % BLOCK_BYTES
         ):
             return False
         end = item.end
