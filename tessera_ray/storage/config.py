@@ -31,11 +31,12 @@ class DiskTierConfig:
     """A batch larger than this is written as several segment files (bounds one write)."""
     io_threads: int = 4
     """Threads doing file IO, hashing and checksums off the event loop; each keeps one read in
-    flight. More are not faster on 2 cores: reading 2,048 MLA pages back (``bench_disk``,
-    direct IO), 4 threads gave 0.61-0.94 of a raw cold read over 11 runs (median 0.81, 6 at
-    or above 0.8), 8 threads 0.64-0.93 over 3, each thread's verification competing for the
-    cores the others need to keep their reads in flight. Each direct transfer holds an 8 MiB
-    staging buffer while it runs."""
+    flight. More are not faster on 2 cores: reading 2,048 MLA pages back through staging
+    buffers (``bench_disk``, direct IO), 4 threads gave 0.61-0.94 of a raw cold read over 11
+    runs, 8 threads 0.64-0.93 over 3, each thread's verification competing for the cores the
+    others need to keep their reads in flight. Reading into aligned pool memory instead (no
+    staging, format 3), 4 threads gave 0.86-1.07 over 5 runs. Each staged direct transfer
+    holds an 8 MiB staging buffer while it runs."""
     direct_io: bool | None = None
     """Read and write segments around the page cache (``O_DIRECT``). None (the default): direct
     where the root's filesystem supports it, else buffered; True: required (opening a root on a

@@ -5,6 +5,7 @@ caught there too, and the checksum still covers payloads of roots with a custom 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from tessera_ray.errors import LayoutMismatchError
 from tessera_ray.storage import fsck
 from tessera_ray.storage._files import META_NAME
-from tessera_ray.storage._format import HEADER_BYTES
+from tessera_ray.storage._format import ALIGNED_HEAD_BYTES, HEADER_BYTES
 
 from .conftest import flip, open_disk, page, quarantined, run, segments
 
@@ -23,35 +24,54 @@ pytestmark = pytest.mark.usefixtures("io_mode")
 PAGES = 6
 REC = HEADER_BYTES + 256
 
-_FAULTS: dict[str, tuple[int, str, Callable[[Path], None]]] = {
-    "payload": (2, "record checksum mismatch", lambda s: flip(s, 2 * REC + HEADER_BYTES + 9)),
-    "payload_last_byte": (1, "record checksum mismatch", lambda s: flip(s, 2 * REC - 1)),
-    "header": (3, "header checksum mismatch", lambda s: flip(s, 3 * REC + 40)),
-    "record_check_field": (0, "record checksum mismatch", lambda s: flip(s, HEADER_BYTES - 3)),
-    "magic": (4, "bad magic", lambda s: flip(s, 4 * REC)),
-    "truncated": (5, "truncated", lambda s: os.truncate(s, 5 * REC + 100)),
+# Each fault: (which page, the reason, how to inject it given the record span and where the
+# payload starts in a record).
+_FAULTS: dict[str, tuple[int, str, Callable[[Path, int, int], None]]] = {
+    "payload": (2, "record checksum mismatch", lambda s, rec, head: flip(s, 2 * rec + head + 9)),
+    "payload_last_byte": (1, "record checksum mismatch", lambda s, rec, head: flip(s, 2 * rec - 1)),
+    "header": (3, "header checksum mismatch", lambda s, rec, head: flip(s, 3 * rec + 40)),
+    "record_check_field": (
+        0,
+        "record checksum mismatch",
+        lambda s, rec, head: flip(s, HEADER_BYTES - 3),
+    ),
+    "magic": (4, "bad magic", lambda s, rec, head: flip(s, 4 * rec)),
+    "truncated": (5, "truncated", lambda s, rec, head: os.truncate(s, 5 * rec + 100)),
 }
 
+# Compact records (256 B pages) read into plain buffers; aligned records (4,096 B pages, whole
+# blocks) read into page-aligned buffers, straight from the file when IO is direct.
+_SHAPES = {"compact": (256, HEADER_BYTES), "aligned": (4096, ALIGNED_HEAD_BYTES)}
 
+
+def _outs(n: int, size: int, aligned: bool) -> list[memoryview]:
+    if not aligned:
+        return [memoryview(bytearray(size)) for _ in range(n)]
+    arena = memoryview(mmap.mmap(-1, n * size))
+    return [arena[i * size : (i + 1) * size] for i in range(n)]
+
+
+@pytest.mark.parametrize("shape", sorted(_SHAPES))
 @pytest.mark.parametrize("fault", sorted(_FAULTS))
-def test_batch_read_into_buffers_catches_each_fault(tmp_path: Path, fault: str) -> None:
+def test_batch_read_into_buffers_catches_each_fault(tmp_path: Path, fault: str, shape: str) -> None:
     bad, reason, inject = _FAULTS[fault]
+    size, head = _SHAPES[shape]
     root = tmp_path / "t"
-    items = [page(i) for i in range(PAGES)]
+    items = [page(i, size=size) for i in range(PAGES)]
 
     async def body() -> None:
         async with open_disk(root) as tier:
             await tier.put_many(items)
-            inject(segments(root)[0])
-            outs = [bytearray(256) for _ in items]
+            inject(segments(root)[0], head + size, head)
+            outs = _outs(PAGES, size, shape == "aligned")
             sizes = await tier.get_many_into([k for k, _ in items], outs)
-            assert sizes == [None if i == bad else 256 for i in range(PAGES)]
+            assert sizes == [None if i == bad else size for i in range(PAGES)]
             for i, (_, data) in enumerate(items):
                 if i != bad:
                     assert bytes(outs[i]) == data
             assert tier.stats.corrupt_total == 1
             # quarantined: a second batch read does not even try it
-            assert await tier.get_many_into([items[bad][0]], [bytearray(256)]) == [None]
+            assert await tier.get_many_into([items[bad][0]], _outs(1, size, False)) == [None]
 
     run(body())
     notes = [json.loads(p.with_suffix(".json").read_text()) for p in quarantined(root)]
