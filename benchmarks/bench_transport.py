@@ -16,7 +16,12 @@ of 1 MiB pages. Per case, in the reader actor, interleaved so noise hits all ali
 Three more rows split the full path: ``fetch_owner_call`` (the owner's lookup + pin + export,
 one actor round trip, ms), ``actor_noop_call`` (the same actors' round trip for a method that
 does nothing, ms: Ray's floor under the owner call) and ``fetch_read_verify_seal`` (the
-reader's part, GB/s).
+reader's part, GB/s). ``nixl_transfer_call`` is the time spent inside NIXL's ``transfer()``
+call of the raw READ: the Python binding copies there, on the calling thread, and another
+thread of the same process hashes little meanwhile (``read_while_hashing``), while a hash in a
+separate process mostly overlaps the READ (``probe_nixl_overlap.py``; in 3 runs two threads
+took 5.9-6.8 ms against 3.7-4.1 ms of READ and 1.7-1.8 ms of hash apart, while another
+process hashed in 3.0-5.4 ms during READs of 3.7-4.5 ms).
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ class BenchNode:
             "noop": [],
             "hash": [],
             "read_while_hashing": [],
+            "transfer_call": [],
         }
         rows_src = [memoryview(r.numpy()) for r in src]
 
@@ -137,15 +143,19 @@ class BenchNode:
             for row in rows_src:
                 xxhash.xxh3_128_intdigest(row, 1)
 
-        def raw_read(local: list[int]) -> None:
+        def raw_read(local: list[int]) -> float:
+            """One raw READ; returns the seconds spent inside ``transfer()`` alone."""
             h = self.raw.make_prepped_xfer(
                 "READ", self.raw_local, local, self.raw_remote, remote_slots
             )
+            t = time.perf_counter()
             state = self.raw.transfer(h)
+            in_call = time.perf_counter() - t
             while state == "PROC":
                 state = self.raw.check_xfer_state(h)
             assert state == "DONE"
             self.raw.release_xfer_handle(h)
+            return in_call
 
         for rep in range(reps + 1):  # the first round warms every path up, untimed
             t_full = t = time.perf_counter()
@@ -161,7 +171,7 @@ class BenchNode:
             pool.evict(n, copy_data=False)
 
             t = time.perf_counter()
-            raw_read(local)
+            transfer_call = raw_read(local)
             raw = time.perf_counter() - t
 
             t = time.perf_counter()
@@ -198,6 +208,7 @@ class BenchNode:
                 parts["noop"].append(noop)
                 parts["hash"].append(hashing)
                 parts["read_while_hashing"].append(overlapped)
+                parts["transfer_call"].append(transfer_call)
         nbytes = n * pool.page_bytes
         out = {k: nbytes / statistics.median(v) / GB for k, v in times.items()}
         out.update({f"{k}_ms": statistics.median(v) * 1e3 for k, v in parts.items()})
@@ -311,7 +322,12 @@ def main() -> None:
                 f"here a READ and hashing as many bytes do not overlap ("
                 f"{r['read_while_hashing_ms']:.1f} ms together against "
                 f"{nbytes / r['raw'] / 1e6:.1f} + {r['hash_ms']:.1f} ms apart, row "
-                f"read_while_hashing_{label}), so verifying costs the whole hash"
+                f"read_while_hashing_{label}), so verifying costs the whole hash: NIXL's "
+                f"Python binding does the copy inside transfer() ("
+                f"{r['transfer_call_ms']:.1f} ms of the raw READ, row "
+                f"nixl_transfer_call_{label}), and another thread of the reader's process "
+                f"makes little progress meanwhile (a hash in a separate process mostly "
+                f"overlaps a READ: benchmarks/probe_nixl_overlap.py)"
             )
 
             rows += [
@@ -372,6 +388,14 @@ def main() -> None:
                     "a raw READ on a second thread while this one hashes as many other bytes, "
                     "GB/s of the READ's bytes: at 1.0 the hashing would be free, at READ+hash "
                     "apart it does not overlap at all",
+                ),
+                Row(
+                    name=f"nixl_transfer_call_{label}",
+                    value=r["transfer_call_ms"],
+                    unit="ms",
+                    note=f"{note}; time inside NIXL's transfer() call of the raw READ (the "
+                    "binding copies there, on the calling thread); the whole raw READ takes "
+                    f"{nbytes / r['raw'] / 1e6:.2f} ms",
                 ),
                 Row(
                     name=f"actor_noop_call_{label}",
