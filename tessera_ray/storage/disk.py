@@ -55,7 +55,7 @@ from tessera_ray.errors import (
 from tessera_ray.storage import _direct as D
 from tessera_ray.storage import _files as F
 from tessera_ray.storage import _io
-from tessera_ray.storage._format import record_heads, scan_segment
+from tessera_ray.storage._format import head_bytes_at, record_heads, scan_segment
 from tessera_ray.storage._progress import Progress
 from tessera_ray.storage.config import DiskTierConfig
 from tessera_ray.storage.keys import ContentHasher, Payload, content_hasher, normalize_key
@@ -343,7 +343,7 @@ class DiskTier(Tier):
         chunks: list[list[_Item]] = [[]]
         size = 0
         for key, view in fresh:
-            rec = record_heads([view.nbytes])[0] + view.nbytes  # its size first in a segment
+            rec = head_bytes_at(0, view.nbytes) + view.nbytes  # its size first in a segment
             if rec > self.config.capacity_bytes:
                 raise StorageError(
                     f"a page of {view.nbytes} B does not fit in capacity_bytes "

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tessera_ray.core.hostmem import aligned_host_bytes
 from tessera_ray.storage import DiskTier, content_hasher
 
 FINGERPRINT = "0655f464e5f4c174303e81f0296dee31"  # deepseek-v3 mla-bf16 layout
@@ -27,6 +28,13 @@ def page(i: int, size: int = 256) -> tuple[bytes, bytes]:
     data = (i.to_bytes(8, "little") * (size // 8 + 1))[:size]
     data = bytes((b + i * 7 + j) & 0xFF for j, b in enumerate(data))
     return HASH(memoryview(data)), data
+
+
+def aligned_buffers(n: int, size: int) -> list[memoryview]:
+    """``n`` page-aligned buffers of ``size`` bytes, slices of one mapping (as the slots of a
+    pool are): what direct reads fill without a staging copy."""
+    arena = aligned_host_bytes(n * size)
+    return [arena[i * size : (i + 1) * size] for i in range(n)]
 
 
 _IO_MODE: list[bool | None] = [None]  # direct_io of tiers that open_disk opens (see io_mode)

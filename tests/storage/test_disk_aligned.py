@@ -5,14 +5,12 @@ every check still holds on that path, and a failed page leaves no unverified byt
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tessera_ray.core import BlockPool, PoolConfig
 from tessera_ray.errors import CorruptPageError, PageNotFoundError
 from tessera_ray.storage import _direct as D
 from tessera_ray.storage import fsck
@@ -24,18 +22,14 @@ from tessera_ray.storage._format import (
     scan_segment,
 )
 
-from ..core.conftest import tiny_spec
-from .conftest import flip, open_disk, page, quarantined, run, segments
+from .conftest import aligned_buffers, flip, open_disk, page, quarantined, run, segments
 
 SIZE = 4096  # eight blocks: an aligned record of 512 + 4096 B
 REC = ALIGNED_HEAD_BYTES + SIZE
 
 
-def _aligned_outs(n: int, size: int = SIZE) -> list[memoryview]:
-    """``n`` page-aligned buffers, slices of one mapping (as slots of a pool are; the views
-    keep the mapping alive)."""
-    view = memoryview(mmap.mmap(-1, n * size))
-    return [view[i * size : (i + 1) * size] for i in range(n)]
+def _aligned_outs(n: int) -> list[memoryview]:
+    return aligned_buffers(n, SIZE)
 
 
 def _heads(seg: Path) -> list[int]:
@@ -208,17 +202,3 @@ def test_restart_rebuilds_aligned_records_and_tombstones_them(tmp_path: Path) ->
     run(reopen())
     report = fsck(root)
     assert report.ok and report.records_ok == 4
-
-
-def test_pool_slots_are_block_aligned() -> None:
-    """The disk tier reads straight into host pool slots only if they are aligned: the pool
-    puts its first byte on a page boundary (torch alone gives 64 B)."""
-    for num_pages in (1, 3, 64):
-        pool = BlockPool(
-            tiny_spec(SIZE), PoolConfig(num_pages=num_pages), fingerprint="aligned-test"
-        )
-        assert pool.data.data_ptr() % 4096 == 0
-        assert pool.data.shape == (num_pages, SIZE)
-        assert bool((pool.data == 0).all())
-        row = pool.data[num_pages - 1].numpy().data
-        assert row.nbytes == SIZE and not row.readonly

@@ -5,7 +5,6 @@ caught there too, and the checksum still covers payloads of roots with a custom 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ from tessera_ray.storage import fsck
 from tessera_ray.storage._files import META_NAME
 from tessera_ray.storage._format import ALIGNED_HEAD_BYTES, HEADER_BYTES
 
-from .conftest import flip, open_disk, page, quarantined, run, segments
+from .conftest import aligned_buffers, flip, open_disk, page, quarantined, run, segments
 
 pytestmark = pytest.mark.usefixtures("io_mode")
 
@@ -45,10 +44,9 @@ _SHAPES = {"compact": (256, HEADER_BYTES), "aligned": (4096, ALIGNED_HEAD_BYTES)
 
 
 def _outs(n: int, size: int, aligned: bool) -> list[memoryview]:
-    if not aligned:
-        return [memoryview(bytearray(size)) for _ in range(n)]
-    arena = memoryview(mmap.mmap(-1, n * size))
-    return [arena[i * size : (i + 1) * size] for i in range(n)]
+    if aligned:
+        return aligned_buffers(n, size)
+    return [memoryview(bytearray(size)) for _ in range(n)]
 
 
 @pytest.mark.parametrize("shape", sorted(_SHAPES))
