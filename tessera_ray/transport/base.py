@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from numbers import Integral
 from typing import Any
 
 from tessera_ray.core import BlockPool
@@ -216,6 +217,20 @@ class Transport(ABC):
         """Start copying the peer's pages ``remote_slots[i]`` of layer group ``group`` into
         local ``local_slots[i]`` of the same group, all in one backend request. The local slots
         must be reserved by the caller."""
+        return self.read_many(peer, [(remote_slots, local_slots)], group=group)[0]
+
+    def read_many(
+        self,
+        peer: str,
+        parts: Sequence[tuple[Sequence[int], Sequence[int]]],
+        *,
+        group: int = 0,
+    ) -> list[TransferTicket]:
+        """:meth:`read` of several ``(remote_slots, local_slots)`` parts, one request and one
+        ticket each, queued together in order: a backend that copies on its own thread runs
+        them back to back, so the caller can verify part ``i`` while part ``i + 1`` lands.
+        Every part is checked before any starts; no local slot may appear twice. If a part
+        cannot start, none is left running."""
         if self._closed:
             raise TransportError(f"transport {self.name!r} is closed")
         info = self._peers.get(peer)
@@ -228,24 +243,32 @@ class Transport(ABC):
         if group >= len(info.regions):
             raise TransportConfigError(f"peer {peer!r} registered {len(info.regions)} groups")
         region = info.regions[group]
-        if len(remote_slots) != len(local_slots):
-            raise TransportConfigError(
-                f"{len(remote_slots)} remote slots but {len(local_slots)} local slots"
-            )
         if region.page_bytes != pool.page_bytes:
             raise TransportConfigError(
                 f"peer {peer!r} has {region.page_bytes} B pages in group {group}, this pool "
                 f"{pool.page_bytes} B"
             )
-        _check_slots("remote", remote_slots, region.num_pages)
-        _check_slots("local", local_slots, pool.data.shape[0])
-        if len(set(local_slots)) != len(local_slots):
+        lists: list[tuple[list[int], list[int]]] = []
+        for remote_slots, local_slots in parts:
+            if len(remote_slots) != len(local_slots):
+                raise TransportConfigError(
+                    f"{len(remote_slots)} remote slots but {len(local_slots)} local slots"
+                )
+            lists.append(
+                (
+                    _checked_slots("remote", remote_slots, region.num_pages),
+                    _checked_slots("local", local_slots, pool.data.shape[0]),
+                )
+            )
+        named = sum(len(local) for _, local in lists)
+        if len({s for _, local in lists for s in local}) != named:
             raise TransportConfigError("a local slot is named twice in one read")
-        ticket = TransferTicket(
-            next(_TICKET_IDS), peer, group, len(local_slots), len(local_slots) * pool.page_bytes
-        )
-        self._start(ticket, info, [int(s) for s in remote_slots], [int(s) for s in local_slots])
-        return ticket
+        tickets = [
+            TransferTicket(next(_TICKET_IDS), peer, group, len(local), len(local) * pool.page_bytes)
+            for _, local in lists
+        ]
+        self._start_many(tickets, info, lists)
+        return tickets
 
     def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> None:
         """Block until the read completes. On timeout or failure the backend request is
@@ -298,6 +321,25 @@ class Transport(ABC):
         self, ticket: TransferTicket, info: PeerInfo, remote: list[int], local: list[int]
     ) -> None: ...
 
+    def _start_many(
+        self,
+        tickets: list[TransferTicket],
+        info: PeerInfo,
+        lists: list[tuple[list[int], list[int]]],
+    ) -> None:
+        """Queue reads in order (a backend with an I/O thread overrides it to hand them over
+        at once); ``lists`` are ``(remote, local)`` per ticket. All or nothing: when one cannot
+        start, those already started are aborted before the error propagates."""
+        started: list[TransferTicket] = []
+        try:
+            for ticket, (remote, local) in zip(tickets, lists, strict=True):
+                self._start(ticket, info, remote, local)
+                started.append(ticket)
+        except BaseException:
+            for ticket in started:
+                self.abort(ticket)
+            raise
+
     @abstractmethod
     def _wait(self, ticket: TransferTicket, timeout_s: float) -> None: ...
 
@@ -305,9 +347,17 @@ class Transport(ABC):
         return None
 
 
-def _check_slots(side: str, slots: Sequence[int], num_pages: int) -> None:
-    for s in slots:
-        if isinstance(s, bool) or not 0 <= s < num_pages:
+def _checked_slots(side: str, slots: Sequence[int], num_pages: int) -> list[int]:
+    """``slots`` as a list of ints, each a page of a ``num_pages``-page pool."""
+    out = list(slots)
+    # A fetch names hundreds of slots per read: plain ints are checked with builtins (C
+    # loops), anything else (numpy integers, bools to refuse) one by one.
+    if set(map(type, out)) <= {int}:
+        if not out or (min(out) >= 0 and max(out) < num_pages):
+            return out
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, Integral) or not 0 <= s < num_pages:
             raise TransportConfigError(
                 f"{side} slot {s!r} is not a page of a {num_pages}-page pool"
             )
+    return [int(s) for s in out]

@@ -289,15 +289,16 @@ def _start(transport: Transport, p: _Pending) -> None:
         return
     e, n = p.export, len(p.export)
     step = _chunk_pages(transport, e.page_bytes, n)
+    bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
     try:
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            ticket = transport.read(e.peer, e.slots[a:b], p.slots[a:b], group=e.group)
-            p.chunks.append((a, b, ticket))
+        tickets = transport.read_many(
+            e.peer, [(e.slots[a:b], p.slots[a:b]) for a, b in bounds], group=e.group
+        )
     except TransportError as err:
-        queued = p.chunks[-1][1] if p.chunks else 0
-        p.chunks.append((queued, n, None))  # the part no read was started for
+        p.chunks.append((0, n, None))  # read_many left nothing running
         p.done = _fail_from(transport, p, 0, err, None)
+        return
+    p.chunks = [(a, b, t) for (a, b), t in zip(bounds, tickets, strict=True)]
 
 
 def _fail_from(

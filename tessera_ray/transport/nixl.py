@@ -243,18 +243,49 @@ class NixlTransport(Transport):
     def _start(
         self, ticket: TransferTicket, info: PeerInfo, remote: list[int], local: list[int]
     ) -> None:
-        lo = self._local_offsets[ticket.group]
-        ro = self._remote_offsets[info.name][ticket.group]
-        cancel = threading.Event()
-        future = self._io.submit(
-            self._run,
-            ticket,
-            [lo + s for s in local],
-            self._remote[info.name],
-            [ro + s for s in remote],
-            cancel,
-        )
-        self._jobs[ticket.id] = _Job(future, cancel)
+        self._start_many([ticket], info, [(remote, local)])
+
+    def _start_many(
+        self,
+        tickets: list[TransferTicket],
+        info: PeerInfo,
+        lists: list[tuple[list[int], list[int]]],
+    ) -> None:
+        # One I/O job runs every read back to back. Handing each over separately cost a
+        # thread hand-off per read, and the I/O thread could not start the first copy before
+        # the caller, holding the GIL, had queued the last one.
+        group = tickets[0].group
+        lo = self._local_offsets[group]
+        ro = self._remote_offsets[info.name][group]
+        items = [
+            (
+                _Job(Future(), threading.Event()),
+                t,
+                [lo + s for s in local] if lo else local,
+                [ro + s for s in remote] if ro else remote,
+            )
+            for t, (remote, local) in zip(tickets, lists, strict=True)
+        ]
+        try:
+            self._io.submit(self._run_many, self._remote[info.name], items)
+        except RuntimeError as e:  # the executor is shut down: the transport is closing
+            raise TransportError(f"transport {self.name!r} is closing: {e}") from e
+        for job, ticket, _, _ in items:
+            self._jobs[ticket.id] = job
+
+    def _run_many(
+        self,
+        remote_dlist: Any,
+        items: list[tuple[_Job, TransferTicket, list[int], list[int]]],
+    ) -> None:
+        """I/O thread: run queued reads in order; an aborted one is skipped untouched."""
+        for job, ticket, local, remote in items:
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                job.future.set_result(self._run(ticket, local, remote_dlist, remote, job.cancel))
+            except BaseException as e:  # settles the ticket; its waiter raises it
+                job.future.set_exception(e)
 
     def _run(
         self,

@@ -80,6 +80,44 @@ class TransportConformance:
         assert got == data
         owner.unpin(lease)
 
+    def test_read_many_queues_parts_in_order(self, pair: Any) -> None:
+        owner, reader = pair
+        lease, export, data = owner.put(7)
+        local = reader.pool.allocate_many(7)
+        slots = [int(reader.pool.slot(h)) for h in local]
+        remote = list(export.slots)
+        parts = [(remote[:3], slots[:3]), (remote[3:4], slots[3:4]), (remote[4:], slots[4:])]
+        tickets = reader.transport.read_many(export.peer, parts)
+        assert [t.num_pages for t in tickets] == [3, 1, 3]
+        assert len({t.id for t in tickets}) == 3
+        for t in tickets:
+            reader.transport.wait(t, timeout_s=10)
+        assert reader.read_pages(local) == data
+        owner.unpin(lease)
+
+    def test_read_many_checks_every_part_before_starting_any(self, pair: Any) -> None:
+        owner, reader = pair
+        lease, export, data = owner.put(4)
+        local = reader.pool.allocate_many(4)
+        slots = [int(reader.pool.slot(h)) for h in local]
+        remote = list(export.slots)
+        before = reader.read_pages(local)
+        with pytest.raises(TransportConfigError, match="twice"):
+            reader.transport.read_many(
+                export.peer, [(remote[:2], slots[:2]), (remote[2:], slots[:2])]
+            )
+        with pytest.raises(TransportConfigError, match="remote slot 32"):
+            reader.transport.read_many(export.peer, [(remote[:2], slots[:2]), ([32], [slots[2]])])
+        with pytest.raises(TransportConfigError, match="local slot True"):
+            reader.transport.read_many(export.peer, [(remote[:1], [True])])
+        assert reader.read_pages(local) == before != data  # no part of a refused call ran
+        # numpy integers are slots too
+        np = pytest.importorskip("numpy")
+        (ticket,) = reader.transport.read_many(export.peer, [(np.array(remote), np.array(slots))])
+        reader.transport.wait(ticket, timeout_s=10)
+        assert reader.read_pages(local) == data
+        owner.unpin(lease)
+
     def test_poll_reports_done_then_wait_settles(self, pair: Any) -> None:
         owner, reader = pair
         lease, export, data = owner.put(3)

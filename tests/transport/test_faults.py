@@ -28,11 +28,15 @@ from .conformance import unique
 class CorruptingNixlTransport(NixlTransport):
     """Flips one byte of the first page of every read after it lands, like a bad link."""
 
-    def _start(
-        self, ticket: TransferTicket, info: PeerInfo, remote: list[int], local: list[int]
+    def _start_many(
+        self,
+        tickets: list[TransferTicket],
+        info: PeerInfo,
+        lists: list[tuple[list[int], list[int]]],
     ) -> None:
-        self._first_slot = {**getattr(self, "_first_slot", {}), ticket.id: local[0]}
-        super()._start(ticket, info, remote, local)
+        first = {t.id: local[0] for t, (_, local) in zip(tickets, lists, strict=True)}
+        self._first_slot = {**getattr(self, "_first_slot", {}), **first}
+        super()._start_many(tickets, info, lists)
 
     def _wait(self, ticket: TransferTicket, timeout_s: float) -> None:
         super()._wait(ticket, timeout_s)
@@ -224,12 +228,14 @@ def test_register_takes_every_group_in_one_registration() -> None:
 class FailSecondReadNixlTransport(NixlTransport):
     """The second read of each fetch fails, as if the owner died between two chunks."""
 
-    def _start(
-        self, ticket: TransferTicket, info: PeerInfo, remote: list[int], local: list[int]
+    def _start_many(
+        self,
+        tickets: list[TransferTicket],
+        info: PeerInfo,
+        lists: list[tuple[list[int], list[int]]],
     ) -> None:
-        self._reads = getattr(self, "_reads", 0) + 1
-        self._doomed = ticket.id if self._reads == 2 else getattr(self, "_doomed", None)
-        super()._start(ticket, info, remote, local)
+        self._doomed = tickets[1].id if len(tickets) > 1 else None
+        super()._start_many(tickets, info, lists)
 
     def _run(self, ticket: TransferTicket, *args: Any) -> tuple[TransferState, bool]:
         if ticket.id == self._doomed:
