@@ -4,24 +4,25 @@ object store and memcpy, all measured in one run on the same pools and the same 
 Two cases: 256 DeepSeek-V3 MLA pages of 73,728 B (FlashMLA's bf16 page), and 16 MiB batches
 of 1 MiB pages. Per case, in the reader actor, interleaved so noise hits all alike:
 
-- ``fetch_full_path``: ask the owner to look the pages up by token key and pin them (one actor
-  call returning the export), one NIXL READ into reserved slots, recompute every page's content
-  hash, seal; the unpin is sent without waiting, as the actor path will.
+- ``fetch_full_path``: ask the owner to look the pages up by token key and pin them (one
+  request on the tier's pin channel, ``actors/channel.py``, answered on the owner's own event
+  loop), one NIXL READ per 4 MiB into reserved slots, recompute every page's content hash,
+  seal; the unpin is sent without waiting, as a pool actor does.
 - ``raw_nixl_read``: the same bytes and slots with NIXL alone (own agents, prepared lists, one
   request, busy completion check): the ceiling. Target ratio >= 0.6.
 - ``ray_object_store``: the owner returns the pages through the object store and the reader
   copies them into its slots (what the Ray fallback does, without verification). Target >= 2.
 - ``memcpy``: the same bytes copied within the reader's process. Reported.
 
-Three more rows split the full path: ``fetch_owner_call`` (the owner's lookup + pin + export,
-one actor round trip, ms), ``actor_noop_call`` (the same actors' round trip for a method that
-does nothing, ms: Ray's floor under the owner call) and ``fetch_read_verify_seal`` (the
-reader's part, GB/s). ``nixl_transfer_call`` is the time spent inside NIXL's ``transfer()``
-call of the raw READ: the Python binding copies there, on the calling thread, and another
-thread of the same process hashes little meanwhile (``read_while_hashing``), while a hash in a
-separate process mostly overlaps the READ (``probe_nixl_overlap.py``; in 3 runs two threads
-took 5.9-6.8 ms against 3.7-4.1 ms of READ and 1.7-1.8 ms of hash apart, while another
-process hashed in 3.0-5.4 ms during READs of 3.7-4.5 ms).
+More rows split the full path: ``fetch_owner_call`` (the owner's lookup + pin + export over
+the channel, ms), ``fetch_owner_call_ray`` and ``fetch_full_path_ray_pin`` (the same with the
+pin as a Ray actor call, what a pool without a channel does), ``actor_noop_call`` (the same
+actors' round trip for a method that does nothing, ms: Ray's floor) and
+``fetch_read_verify_seal`` (the reader's part, GB/s). ``nixl_transfer_call`` is the time spent
+inside NIXL's ``transfer()`` call of the raw READ: the Python binding copies there, on the
+calling thread. ``read_while_hashing`` runs a raw READ on a kept thread while this one hashes
+as many other bytes: on this VM they take nearly the sum of both apart, while a hash in a
+separate process mostly overlaps the READ (``probe_nixl_overlap.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ class BenchNode:
         self.raw_local = self.transport._local  # type: ignore[attr-defined]
         self.raw_remote: Any = None
         self.leases: dict[int, list[Any]] = {}
+        self.lock = threading.Lock()
         self.keys: list[Any] = []
         self._token_key = token_key
         self._torch = torch
@@ -97,27 +100,52 @@ class BenchNode:
         """Lookup (takes the pins) and export, as the owner's actor does for a fetch."""
         from tessera_ray.transport import export_pages
 
-        found = self.pool.lookup_many(self.namespace, keys)
-        handles = [h[0] for h in found if h is not None]
-        export = export_pages(
-            self.pool, handles, namespace=self.namespace, peer=self.transport.name
-        )
-        self.leases[id(export)] = handles
+        with self.lock:
+            found = self.pool.lookup_many(self.namespace, keys)
+            handles = [h[0] for h in found if h is not None]
+            export = export_pages(
+                self.pool, handles, namespace=self.namespace, peer=self.transport.name
+            )
+            self.leases[id(export)] = handles
         return id(export), export
+
+    def serve_channel(self) -> Any:
+        """Serve pin_export and unpin on the tier's pin channel (``actors/channel.py``), on an
+        event loop of its own, as a pool actor serves them on its loop; returns the address."""
+        import asyncio
+        import threading
+
+        from tessera_ray.actors.channel import ChannelServer
+
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+
+        async def pin(keys: list[Any]) -> Any:
+            return self.pin_export(keys)
+
+        async def unpin(lease: int) -> None:
+            self.unpin(lease)
+
+        self.server = ChannelServer({"pin": pin, "unpin": unpin}, host="127.0.0.1")
+        return asyncio.run_coroutine_threadsafe(self.server.start(), loop).result()
 
     def noop(self) -> None:
         """Nothing: the cost of a Ray actor call alone, for the owner round trip's split."""
 
     def unpin(self, lease: int) -> None:
-        self.pool.release_many(self.leases.pop(lease))
+        with self.lock:  # the Ray thread and the channel's loop both call it
+            self.pool.release_many(self.leases.pop(lease))
 
     def serve(self, slots: list[int]) -> Any:
         index = self._torch.tensor(slots, dtype=self._torch.long)
         return self.pool.data.index_select(0, index).numpy()
 
     # ---------------------------------------------------------------- reader side
-    def measure(self, owner: Any, keys: list[Any], remote_slots: list[int], reps: int) -> Any:
-        import threading
+    def measure(
+        self, owner: Any, channel: Any, keys: list[Any], remote_slots: list[int], reps: int
+    ) -> Any:
+        import asyncio
+        from concurrent.futures import ThreadPoolExecutor
 
         import ray
         import xxhash
@@ -128,9 +156,16 @@ class BenchNode:
         torch, pool, n = self._torch, self.pool, len(keys)
         src = torch.randint(0, 256, (n, pool.page_bytes), dtype=torch.uint8)
         dst = torch.empty_like(src)
-        times: dict[str, list[float]] = {"full": [], "raw": [], "ray": [], "memcpy": []}
+        times: dict[str, list[float]] = {
+            "full": [],
+            "raw": [],
+            "ray": [],
+            "memcpy": [],
+            "full_ray_pin": [],
+        }
         parts: dict[str, list[float]] = {
             "owner_call": [],
+            "owner_call_ray": [],
             "read_verify_seal": [],
             "noop": [],
             "hash": [],
@@ -157,18 +192,39 @@ class BenchNode:
             self.raw.release_xfer_handle(h)
             return in_call
 
-        for rep in range(reps + 1):  # the first round warms every path up, untimed
-            t_full = t = time.perf_counter()
-            lease, export = ray.get(owner.pin_export.remote(keys))
-            t_call = time.perf_counter()
-            res = fetch_verified(self.transport, export, timeout_s=30)
-            t_fetch = time.perf_counter()
-            owner.unpin.remote(lease)
-            full = time.perf_counter() - t
+        from tessera_ray.actors.channel import ChannelClient
+
+        io = ThreadPoolExecutor(max_workers=1)  # kept for every READ, as the transport's thread
+        loop = asyncio.new_event_loop()
+        client = loop.run_until_complete(ChannelClient.connect(channel, 10.0))
+
+        def fetched(res: Any) -> list[int]:
+            """Check a fetch, then free its pages for the next round; returns their slots."""
             assert res.ok and len(res.fetched) == n and not any(f.deduplicated for f in res.fetched)
             local = [int(pool.slot(f.handle)) for f in res.fetched]
             pool.release_many([f.handle for f in res.fetched])
             pool.evict(n, copy_data=False)
+            return local
+
+        for rep in range(reps + 1):  # the first round warms every path up, untimed
+            # The tier's path: the pin over the pool's channel, the unpin sent without waiting.
+            t_full = t = time.perf_counter()
+            lease, export = loop.run_until_complete(client.call("pin", keys, timeout_s=30))
+            t_call = time.perf_counter()
+            res = fetch_verified(self.transport, export, timeout_s=30)
+            t_fetch = time.perf_counter()
+            client.send("unpin", lease)
+            full = time.perf_counter() - t
+            fetched(res)
+
+            # The same with the pin as a Ray actor call (what a pool without a channel does).
+            t = time.perf_counter()
+            lease, export = ray.get(owner.pin_export.remote(keys))
+            owner_call_ray = time.perf_counter() - t
+            res = fetch_verified(self.transport, export, timeout_s=30)
+            owner.unpin.remote(lease)
+            full_ray_pin = time.perf_counter() - t
+            local = fetched(res)
 
             t = time.perf_counter()
             transfer_call = raw_read(local)
@@ -178,13 +234,12 @@ class BenchNode:
             hash_all()
             hashing = time.perf_counter() - t
 
-            # Can the reader hash pages while a READ lands others? The READ on a second
-            # thread, as the transport's I/O thread runs it, and the hashing in this one.
-            helper = threading.Thread(target=raw_read, args=(local,))
+            # Can the reader hash pages while a READ lands others? The READ on a thread kept
+            # for it, as the transport's I/O thread runs it, and the hashing on this one.
             t = time.perf_counter()
-            helper.start()
+            reading = io.submit(raw_read, local)
             hash_all()
-            helper.join()
+            reading.result()
             overlapped = time.perf_counter() - t
 
             t = time.perf_counter()
@@ -201,9 +256,10 @@ class BenchNode:
             ray.get(owner.noop.remote())
             noop = time.perf_counter() - t
             if rep:
-                for k, v in zip(times, (full, raw, via_ray, copy), strict=True):
+                for k, v in zip(times, (full, raw, via_ray, copy, full_ray_pin), strict=True):
                     times[k].append(v)
                 parts["owner_call"].append(t_call - t_full)
+                parts["owner_call_ray"].append(owner_call_ray)
                 parts["read_verify_seal"].append(t_fetch - t_call)
                 parts["noop"].append(noop)
                 parts["hash"].append(hashing)
@@ -274,7 +330,8 @@ def run_case(page_bytes: int, n: int, reps: int) -> dict[str, float]:
     ray.get(reader.connect.remote(ray.get(owner.peer.remote())))
     keys = ray.get(owner.fill.remote(n))
     slots = ray.get(owner.slots.remote())
-    out: dict[str, float] = ray.get(reader.measure.remote(owner, keys, slots, reps))
+    channel = ray.get(owner.serve_channel.remote())
+    out: dict[str, float] = ray.get(reader.measure.remote(owner, channel, keys, slots, reps))
     for actor in (owner, reader):
         ray.kill(actor)
     return out
@@ -312,22 +369,20 @@ def main() -> None:
             full = f"fetch_full_path_{label}"
             # The reason comes from this run's own split of the full path.
             why = (
-                f"the owner actor round trip (lookup + pin + export) takes "
-                f"{r['owner_call_ms']:.1f} ms of the "
-                f"{nbytes / r['full'] / 1e6:.1f} ms batch (a Ray actor call doing nothing: "
-                f"{r['noop_ms']:.1f} ms, against {nbytes / r['raw'] / 1e6:.1f} ms for the whole "
-                f"raw READ), and the reader's part (READ + hash "
-                f"every page + seal) runs at "
+                f"the owner's lookup + pin + export over the channel takes "
+                f"{r['owner_call_ms']:.1f} ms of the {nbytes / r['full'] / 1e6:.1f} ms batch "
+                f"(as a Ray actor call {r['owner_call_ray_ms']:.1f} ms; a Ray call doing "
+                f"nothing {r['noop_ms']:.1f} ms), against {nbytes / r['raw'] / 1e6:.1f} ms "
+                f"for the whole raw READ; and the reader's part (READ + hash every page + "
+                f"seal) runs at "
                 f"{nbytes / r['read_verify_seal_ms'] / 1e6 / r['raw']:.2f} of raw NIXL READ: "
-                f"here a READ and hashing as many bytes do not overlap ("
+                f"a READ and hashing as many bytes on two threads of one process take "
                 f"{r['read_while_hashing_ms']:.1f} ms together against "
-                f"{nbytes / r['raw'] / 1e6:.1f} + {r['hash_ms']:.1f} ms apart, row "
-                f"read_while_hashing_{label}), so verifying costs the whole hash: NIXL's "
-                f"Python binding does the copy inside transfer() ("
-                f"{r['transfer_call_ms']:.1f} ms of the raw READ, row "
-                f"nixl_transfer_call_{label}), and another thread of the reader's process "
-                f"makes little progress meanwhile (a hash in a separate process mostly "
-                f"overlaps a READ: benchmarks/probe_nixl_overlap.py)"
+                f"{nbytes / r['raw'] / 1e6:.1f} + {r['hash_ms']:.1f} ms apart (row "
+                f"read_while_hashing_{label}; NIXL's binding copies inside transfer(), "
+                f"{r['transfer_call_ms']:.1f} ms, row nixl_transfer_call_{label}), so on this "
+                f"2-core VM verifying costs most of the hash (a hash in a separate process "
+                f"mostly overlaps a READ: benchmarks/probe_nixl_overlap.py)"
             )
 
             rows += [
@@ -367,7 +422,22 @@ def main() -> None:
                     name=f"fetch_owner_call_{label}",
                     value=r["owner_call_ms"],
                     unit="ms",
-                    note=f"{note}; lookup + pin + export, one actor round trip",
+                    note=f"{note}; lookup + pin + export, one request on the pin channel",
+                ),
+                Row(
+                    name=f"fetch_owner_call_ray_{label}",
+                    value=r["owner_call_ray_ms"],
+                    unit="ms",
+                    note=f"{note}; the same as one Ray actor call",
+                ),
+                Row(
+                    name=f"fetch_full_path_ray_pin_{label}",
+                    value=r["full_ray_pin"],
+                    unit="GB/s",
+                    baseline=f"raw_nixl_read_{label}",
+                    baseline_value=r["raw"],
+                    note=f"{note}; the full path with the pin as a Ray actor call (a pool "
+                    "without a channel)",
                 ),
                 _vs_raw(
                     r,

@@ -37,6 +37,11 @@ class PoolServiceConfig:
     """Longest lease a caller may ask for."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     """How this pool pulls pages from other pools (``auto``: NIXL, else the object store)."""
+    pin_channel: bool = True
+    """Serve pins and unpins for readers on a direct TCP channel (authenticated by a secret
+    passed through Ray), and use other pools' channels when fetching: a Ray actor call costs
+    more than the NIXL read of a few hundred pages on small nodes (``actors/channel.py``).
+    False: every pin is a Ray actor call."""
     metrics_interval_s: float = 5.0
     """How often the pool (and the directory shards) export their snapshots as metrics."""
     write_through: bool = False

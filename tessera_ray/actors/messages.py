@@ -180,6 +180,12 @@ class PoolStatus:
     """Pages in use per tier (disk: pages of the blocks stored there); no disk key: no tier."""
     pages_free: dict[Tier, int] = field(default_factory=dict)
     """Pages free per tier (disk: whole blocks' pages that fit under the capacity)."""
+    channel_pins: int = 0
+    """Pins this pool served to readers on its direct channel (cumulative); the others came
+    as Ray actor calls."""
+    channel_refused: int = 0
+    """Connections to the channel dropped for a wrong secret or a malformed frame
+    (cumulative): a security signal where it is not zero."""
 
     @property
     def tier_counts(self) -> dict[Tier, int]:

@@ -8,6 +8,7 @@ against the owner's content hash, install, unpin. With ``directory_actor``, ``cl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ import ray
 from tessera_ray.actors._ray_names import CALL_TIMEOUT_S as _CALL_TIMEOUT_S
 from tessera_ray.actors._ray_names import DEAD as _DEAD
 from tessera_ray.actors._ray_names import shard_name as _shard_name
+from tessera_ray.actors.channel import ChannelAddress, ChannelClient, ChannelError, ChannelServer
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import (
     LookupResult,
@@ -163,6 +165,9 @@ class PoolActor:
             gate=TenantGate(tenant_secret),
         )
         self._incarnations: dict[str, int] = {}
+        self._channels: dict[str, ChannelClient | None] = {}
+        """Per owner, the open channel to it, or ``None`` where it serves none (Ray only)."""
+        self._channel_server: ChannelServer | None = None
         self._reports: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly
         self.metrics = get_metrics()
         # One-sided reads need NIXL; without it (or with kind "ray") blocks move through the
@@ -187,8 +192,31 @@ class PoolActor:
         if self.peer is not None:
             await self.directory.publish_peer(self.peer)
         await self.svc.reopen_disk()
+        if self.svc.config.pin_channel:
+            await self._serve_channel()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._reaper()), loop.create_task(self._exporter())]
+
+    async def _serve_channel(self) -> None:
+        server = ChannelServer(
+            {"pin": self.svc.pin, "unpin": self._unpin_quietly},
+            host=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+        )
+        try:
+            await server.start()
+        except OSError as e:  # no port to listen on: readers keep pinning through Ray
+            log.warning("pool %s serves no pin channel: %s", self.svc.name, e)
+            return
+        self._channel_server = server
+
+    async def _unpin_quietly(self, pin_id: int) -> None:
+        self.svc.unpin(pin_id)
+
+    async def channel(self) -> ChannelAddress | None:
+        """Where readers ask this pool to pin and unpin without a Ray call (``None``: nowhere)."""
+        await self._start()
+        server = self._channel_server
+        return server.address if server is not None else None
 
     async def _reaper(self) -> None:
         while True:
@@ -316,7 +344,13 @@ class PoolActor:
 
     async def status(self) -> PoolStatus:
         await self._start()
-        return self.svc.status()
+        status = self.svc.status()
+        server = self._channel_server
+        if server is None:
+            return status
+        return dataclasses.replace(
+            status, channel_pins=server.served["pin"], channel_refused=server.refused
+        )
 
     async def fetch_from(
         self, owner_name: str, namespace: Access, keys: list[TokenKey], timeout_s: float = 30.0
@@ -343,10 +377,22 @@ class PoolActor:
         self, owner_name: str, access: Access, keys: list[TokenKey], timeout_s: float
     ) -> list[str | None]:
         namespace = self.svc.gate.resolve(access, write=False)
+        channel: ChannelClient | None = None
         try:
             owner = ray.get_actor(owner_name, namespace=self.ray_namespace)
-            ticket: PinTicket = await asyncio.wait_for(owner.pin.remote(access, keys), timeout_s)
+            channel = await self._channel_to(owner_name, owner)
+            ticket: PinTicket | None = None
+            if channel is not None:
+                try:
+                    ticket = await channel.call("pin", access, keys, timeout_s=timeout_s)
+                except ChannelError:  # broken or refused: the Ray call below decides
+                    self._channels.pop(owner_name, None)
+                    channel = None
+            if ticket is None:
+                ticket = await asyncio.wait_for(owner.pin.remote(access, keys), timeout_s)
         except (*_DEAD, ValueError, TimeoutError) as exc:
+            if channel is not None:
+                self._drop_channel(owner_name)
             return [f"owner {owner_name} unavailable: {type(exc).__name__}"] * len(keys)
         suspects: list[TokenKey] = []
         try:
@@ -357,6 +403,8 @@ class PoolActor:
                 # The owner restarted: its old NIXL agent (same name) is gone.
                 if transport is not None and owner_name in transport.peers:
                     transport.remove_peers([owner_name])
+                if channel is None:  # the new process may serve a channel the old one did not
+                    self._channels.pop(owner_name, None)
                 self._incarnations[owner_name] = ticket.incarnation
             peer = await self._peer_of(owner_name, owner)
             reasons: list[str | None]
@@ -368,7 +416,9 @@ class PoolActor:
                 ]
                 held = [b for b in ticket.blocks if b is not None]
                 if held:
-                    payload = await asyncio.wait_for(owner.read_pinned.remote(ticket.id), timeout_s)
+                    payload: Any = await asyncio.wait_for(
+                        owner.read_pinned.remote(ticket.id), timeout_s
+                    )
                     result = await self.svc.install(namespace, held, payload)
                     errors = iter(result.errors)
                     reasons = [
@@ -385,13 +435,53 @@ class PoolActor:
                 self.svc.transport.remove_peers([owner_name])
             return [f"transfer from {owner_name} failed: {type(exc).__name__}"] * len(keys)
         finally:
-            unpinned = owner.unpin.remote(ticket.id)  # not awaited: the lease ends it anyway
+            # Not awaited: the lease ends a pin anyway. A suspect's check must follow the unpin,
+            # so that one goes through Ray, whose answer says when it landed.
             if suspects:
+                unpinned: Any = owner.unpin.remote(ticket.id)
                 task = asyncio.get_running_loop().create_task(
                     self._report(owner, unpinned, access, suspects)
                 )
                 self._reports.add(task)
                 task.add_done_callback(self._reports.discard)
+            elif not self._unpin_over(channel, ticket.id):
+                owner.unpin.remote(ticket.id)
+
+    @staticmethod
+    def _unpin_over(channel: ChannelClient | None, pin_id: int) -> bool:
+        """Send the unpin over ``channel``; False when it cannot go that way."""
+        if channel is None or channel.closed:
+            return False
+        try:
+            channel.send("unpin", pin_id)
+        except ChannelError:
+            return False
+        return True
+
+    async def _channel_to(self, owner_name: str, owner: Any) -> ChannelClient | None:
+        """The open channel to ``owner_name``, connecting on first use; ``None`` when this pool
+        or the owner does not use one, or it cannot be reached (pins then go through Ray)."""
+        if not self.svc.config.pin_channel:
+            return None
+        if owner_name in self._channels:
+            known = self._channels[owner_name]
+            if known is None or not known.closed:
+                return known
+        try:
+            address = await asyncio.wait_for(owner.channel.remote(), _CALL_TIMEOUT_S)
+            client = None if address is None else await ChannelClient.connect(address, 5.0)
+        except ChannelError as e:
+            log.info(
+                "pool %s: no channel to %s (%s); pinning through Ray", self.svc.name, owner_name, e
+            )
+            return None  # asked again next time: the owner may be back
+        self._channels[owner_name] = client
+        return client
+
+    def _drop_channel(self, owner_name: str) -> None:
+        client = self._channels.pop(owner_name, None)
+        if client is not None:
+            client.close()
 
     async def _report(
         self, owner: Any, unpinned: Any, access: Access, keys: list[TokenKey]

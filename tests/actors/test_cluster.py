@@ -69,6 +69,7 @@ def test_store_on_node1_fetch_on_node3_byte_exact(
     status = _status(tier, n3)
     assert status.transport == "nixl" and status.transfers_in == 3  # one-sided reads over UCX
     assert status.bytes_in == 3 * LAYOUT.block_bytes
+    assert _status(tier, n1).channel_pins >= 1  # the pin went over the direct channel
     got = tier.read("agents", keys, pool=n3)
     assert all(g is not None for g in got)
     assert np.array_equal(np.stack(got), data)
@@ -260,7 +261,14 @@ def test_dead_pool_is_purged_and_requests_fall_back(
     keys, data = prefix("chaos", 6, salt=4), blocks(6, 4)
     tier.store("chaos", keys, data, pool=victim)
     assert set(tier.fetch("chaos", keys[:3], into=other).fetched) == set(keys[:3])
+    assert _status(tier, victim).channel_pins >= 1  # other now holds a channel to victim
     ray.kill(tier.pool(victim), no_restart=True)
+    # The open channel breaks with the process: the reader learns at once, not after its
+    # 30 s timeout, and fetches nothing.
+    began = time.monotonic()
+    late = tier.fetch("chaos", keys[3:], into=other)
+    assert time.monotonic() - began < 10.0
+    assert not late.fetched and set(late.failed) | set(late.missed) == set(keys[3:])
     result = tier.fetch("chaos", keys, into=head)
     # Blocks with a live replica come from it, byte-exact; the rest are misses, never wrong.
     assert set(result.fetched) == set(keys[:3])
@@ -275,6 +283,32 @@ def test_dead_pool_is_purged_and_requests_fall_back(
     assert all(r is not None for r in tier.lookup("chaos-untouched", untouched))
     pools, _ = tier.status()
     assert any(isinstance(p, str) and victim in p and "down" in p for p in pools)
+
+
+def test_a_connection_without_the_secret_is_refused_and_counted(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    from dataclasses import replace
+
+    from tessera_ray.actors.channel import ChannelClient, ChannelError
+
+    n1, _, n3 = (tier.pool_on(n) for n in tessera_cluster.node_ids)  # n2 died above
+    address = ray.get(tier.pool(n1).channel.remote())
+    assert address is not None and address.host == "127.0.0.1"
+    before = _status(tier, n1).channel_refused
+    keys, data = prefix("guarded", 2, salt=6), blocks(2, 6)
+    tier.store("guarded", keys, data, pool=n1)
+
+    async def intrude() -> None:
+        client = await ChannelClient.connect(replace(address, secret=b"\0" * 32), 5.0)
+        with pytest.raises(ChannelError):
+            await client.call("pin", "guarded", keys, timeout_s=5.0)
+
+    asyncio.run(intrude())
+    status = _status(tier, n1)
+    assert status.channel_refused == before + 1 and status.pins == 0
+    # Pools that know the secret keep fetching.
+    assert set(tier.fetch("guarded", keys, into=n3).fetched) == set(keys)
 
 
 def test_cli_start_and_stop_on_a_running_cluster(tessera_cluster: SimCluster) -> None:
