@@ -19,7 +19,7 @@ that noise on a shared machine falls on all of them;
 each figure is the median over rounds of per-round medians. The ``fetch_vs_*`` rows hold the
 targets: >= 2x Mooncake batch get, >= 2x Redis GET, >= 2x the Ray object store, >= 0.6x raw
 NIXL; a row below its target says why in its note, from this run's split of the fetch path
-(``fetch_owner_call_*``: the owner's actor round trip; ``fetch_read_verify_seal_*``: the
+(``fetch_owner_call_*``: the owner's pin round trip; ``fetch_read_verify_seal_*``: the
 reader's part). A peer that is not installed or does not start is a row saying why, never an
 estimate.
 The run happens inside a loopback-only network namespace when one can be made (``_peers.py``).
@@ -278,7 +278,8 @@ def _miss_reason(peer: str, fetch: float, base: float, size: Size, parts: dict[s
     total_ms = size.nbytes / fetch / 1e6
     own = (
         f"the fetch spends {parts['owner_call_ms']:.1f} of {total_ms:.1f} ms per batch in the "
-        f"owner actor round trip (lookup + pin + export), and its reader part (READ + hash "
+        f"owner's pin round trip (lookup + pin + export on the pin channel), and its reader "
+        f"part (READ + hash "
         f"every page + seal) runs at {parts['read_verify_seal']:.2f} GB/s"
     )
     if peer == "raw_nixl_read":
@@ -329,7 +330,7 @@ def build_rows(sizes: list[Size], samples: Samples, problems: dict[str, str]) ->
                 name=f"fetch_owner_call_{size.case}",
                 value=parts["owner_call_ms"],
                 unit="ms",
-                note=f"{what}; lookup + pin + export, one actor round trip",
+                note=f"{what}; lookup + pin + export, one request on the pin channel",
             )
         )
         rows.append(

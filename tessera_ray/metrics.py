@@ -126,6 +126,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(name="tessera_memory_rotten_blocks", kind=_C, tag_keys=_POOL,
                description="Blocks dropped from a pool's memory because their bytes no longer "
                "matched their seal when a consumer had them checked (data-integrity signal)"),
+    MetricSpec(name="tessera_channel_pins", kind=_C, tag_keys=_POOL,
+               description="Pins a pool served to readers on its direct pin channel (the rest "
+               "came as Ray actor calls)"),
+    MetricSpec(name="tessera_channel_refused", kind=_C, tag_keys=_POOL,
+               description="Connections to a pool's pin channel dropped for a wrong secret or "
+               "a malformed frame (security signal)"),
     MetricSpec(name="tessera_transfer_bytes", kind=_C, tag_keys=_POOL,
                description="Bytes of blocks pulled from other pools and installed"),
     MetricSpec(name="tessera_transfer_latency_seconds", kind=_H, tag_keys=_POOL,

@@ -51,6 +51,8 @@ def export_pool_status(
     metrics.set_total("tessera_blocks_lost", status.lost_blocks, tags)
     metrics.set_total("tessera_disk_quarantines", status.quarantines, tags)
     metrics.set_total("tessera_memory_rotten_blocks", status.rotten_blocks, tags)
+    metrics.set_total("tessera_channel_pins", status.channel_pins, tags)
+    metrics.set_total("tessera_channel_refused", status.channel_refused, tags)
     for (src, dst, reason), count in (fallbacks or {}).items():
         fb_tags = {**tags, "from_kind": src, "to_kind": dst, "reason": reason}
         metrics.set_total("tessera_transport_fallbacks", count, fb_tags)

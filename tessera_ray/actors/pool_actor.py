@@ -232,7 +232,7 @@ class PoolActor:
                 log.exception("pool %s: metrics export failed", self.svc.name)
 
     def _export(self) -> None:
-        export_pool_status(self.metrics, self.svc.status(), self.ray_namespace, fallback_counts())
+        export_pool_status(self.metrics, self._status(), self.ray_namespace, fallback_counts())
 
     async def flush_metrics(self) -> None:
         """Export the current snapshot now (instead of waiting for the next interval)."""
@@ -344,6 +344,10 @@ class PoolActor:
 
     async def status(self) -> PoolStatus:
         await self._start()
+        return self._status()
+
+    def _status(self) -> PoolStatus:
+        """The service's snapshot with this shell's channel counts."""
         status = self.svc.status()
         server = self._channel_server
         if server is None:

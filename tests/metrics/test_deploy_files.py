@@ -45,6 +45,7 @@ def test_alert_rules_cover_collisions_quarantines_and_pool_down() -> None:
     assert "> 0" in by_name["TesseraDedupCollision"]
     assert "ray_tessera_disk_quarantines_total" in by_name["TesseraDiskQuarantine"]
     assert "ray_tessera_memory_rotten_blocks_total" in by_name["TesseraMemoryRot"]
+    assert "ray_tessera_channel_refused_total" in by_name["TesseraChannelRefused"]
     assert "heartbeat" in by_name["TesseraPoolDown"]
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     assert "alerts.yml" in config["rule_files"]

@@ -182,6 +182,9 @@ def _workload_and_check(tier: TesseraClient, port: int, weak: str, disk: Path) -
     assert value(s, "tessera_blocks_spilled_total", pool=src) == 1
     assert value(s, "tessera_evictions_total", pool=src) == status[src].evictions > 0
     assert value(s, "tessera_transfer_bytes_total", pool=dst) == 2 * LAYOUT.block_bytes
+    # Both fetches pinned over src's channel; nobody knocked without the secret.
+    assert value(s, "tessera_channel_pins_total", pool=src) == status[src].channel_pins == 2
+    assert value(s, "tessera_channel_refused_total", pool=src) is None
     assert value(s, "tessera_transfer_errors_total", pool=dst) == 1
     assert value(s, "tessera_transfer_latency_seconds_count", pool=dst) == 2
     assert value(s, "tessera_directory_lookups_total") == lookups
