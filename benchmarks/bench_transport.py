@@ -337,6 +337,11 @@ def run_case(page_bytes: int, n: int, reps: int) -> dict[str, float]:
     return out
 
 
+def _ms(name: str, value: float, note: str) -> Row:
+    """A part of the fetch path timed in ms, reported without a baseline."""
+    return Row(name=name, value=value, unit="ms", note=note)
+
+
 def _vs_raw(
     r: dict[str, float], nbytes: int, label: str, note: str, name: str, key: str, what: str
 ) -> Row:
@@ -418,17 +423,15 @@ def main() -> None:
                     "read_verify_seal_ms",
                     "the reader's part of the full path (no owner round trip)",
                 ),
-                Row(
-                    name=f"fetch_owner_call_{label}",
-                    value=r["owner_call_ms"],
-                    unit="ms",
-                    note=f"{note}; lookup + pin + export, one request on the pin channel",
+                _ms(
+                    f"fetch_owner_call_{label}",
+                    r["owner_call_ms"],
+                    f"{note}; lookup + pin + export, one request on the pin channel",
                 ),
-                Row(
-                    name=f"fetch_owner_call_ray_{label}",
-                    value=r["owner_call_ray_ms"],
-                    unit="ms",
-                    note=f"{note}; the same as one Ray actor call",
+                _ms(
+                    f"fetch_owner_call_ray_{label}",
+                    r["owner_call_ray_ms"],
+                    f"{note}; the same as one Ray actor call",
                 ),
                 Row(
                     name=f"fetch_full_path_ray_pin_{label}",
@@ -455,23 +458,21 @@ def main() -> None:
                     note,
                     f"read_while_hashing_{label}",
                     "read_while_hashing_ms",
-                    "a raw READ on a second thread while this one hashes as many other bytes, "
+                    "a raw READ on a thread kept for it while this one hashes as many other bytes, "
                     "GB/s of the READ's bytes: at 1.0 the hashing would be free, at READ+hash "
                     "apart it does not overlap at all",
                 ),
-                Row(
-                    name=f"nixl_transfer_call_{label}",
-                    value=r["transfer_call_ms"],
-                    unit="ms",
-                    note=f"{note}; time inside NIXL's transfer() call of the raw READ (the "
-                    "binding copies there, on the calling thread); the whole raw READ takes "
+                _ms(
+                    f"nixl_transfer_call_{label}",
+                    r["transfer_call_ms"],
+                    f"{note}; time inside NIXL's transfer() call of the raw READ (the binding "
+                    "copies there, on the calling thread); the whole raw READ takes "
                     f"{nbytes / r['raw'] / 1e6:.2f} ms",
                 ),
-                Row(
-                    name=f"actor_noop_call_{label}",
-                    value=r["noop_ms"],
-                    unit="ms",
-                    note=f"{note}; a Ray call of an owner method that does nothing, same actors",
+                _ms(
+                    f"actor_noop_call_{label}",
+                    r["noop_ms"],
+                    f"{note}; a Ray call of an owner method that does nothing, same actors",
                 ),
                 Row(
                     name=f"{full}_vs_memcpy",

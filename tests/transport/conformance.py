@@ -32,6 +32,15 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{next(_names)}-{time.monotonic_ns() % 10**9}"
 
 
+def _reserved(owner: Any, reader: Any, n: int) -> tuple[Any, ...]:
+    """``n`` pages pinned on ``owner`` and as many slots reserved on ``reader``: the lease,
+    export and bytes, the reader's handles, their slots, and the owner's slots."""
+    lease, export, data = owner.put(n)
+    local = reader.pool.allocate_many(n)
+    slots = [int(reader.pool.slot(h)) for h in local]
+    return lease, export, data, local, slots, list(export.slots)
+
+
 class TransportConformance:
     KIND = ""
 
@@ -82,10 +91,7 @@ class TransportConformance:
 
     def test_read_many_queues_parts_in_order(self, pair: Any) -> None:
         owner, reader = pair
-        lease, export, data = owner.put(7)
-        local = reader.pool.allocate_many(7)
-        slots = [int(reader.pool.slot(h)) for h in local]
-        remote = list(export.slots)
+        lease, export, data, local, slots, remote = _reserved(owner, reader, 7)
         parts = [(remote[:3], slots[:3]), (remote[3:4], slots[3:4]), (remote[4:], slots[4:])]
         tickets = reader.transport.read_many(export.peer, parts)
         assert [t.num_pages for t in tickets] == [3, 1, 3]
@@ -97,10 +103,7 @@ class TransportConformance:
 
     def test_read_many_checks_every_part_before_starting_any(self, pair: Any) -> None:
         owner, reader = pair
-        lease, export, data = owner.put(4)
-        local = reader.pool.allocate_many(4)
-        slots = [int(reader.pool.slot(h)) for h in local]
-        remote = list(export.slots)
+        lease, export, data, local, slots, remote = _reserved(owner, reader, 4)
         before = reader.read_pages(local)
         with pytest.raises(TransportConfigError, match="twice"):
             reader.transport.read_many(
