@@ -165,6 +165,8 @@ class PoolActor:
             gate=TenantGate(tenant_secret),
         )
         self._incarnations: dict[str, int] = {}
+        self._owners: dict[str, Any] = {}
+        """Actor handles of the pools this one fetched from (dropped when one fails)."""
         self._channels: dict[str, ChannelClient | None] = {}
         """Per owner, the open channel to it, or ``None`` where it serves none (Ray only)."""
         self._channel_server: ChannelServer | None = None
@@ -381,22 +383,12 @@ class PoolActor:
         self, owner_name: str, access: Access, keys: list[TokenKey], timeout_s: float
     ) -> list[str | None]:
         namespace = self.svc.gate.resolve(access, write=False)
-        channel: ChannelClient | None = None
         try:
-            owner = ray.get_actor(owner_name, namespace=self.ray_namespace)
-            channel = await self._channel_to(owner_name, owner)
-            ticket: PinTicket | None = None
-            if channel is not None:
-                try:
-                    ticket = await channel.call("pin", access, keys, timeout_s=timeout_s)
-                except ChannelError:  # broken or refused: the Ray call below decides
-                    self._channels.pop(owner_name, None)
-                    channel = None
-            if ticket is None:
-                ticket = await asyncio.wait_for(owner.pin.remote(access, keys), timeout_s)
+            owner = self._owner(owner_name)
+            ticket, channel = await self._pin_at(owner_name, owner, access, keys, timeout_s)
         except (*_DEAD, ValueError, TimeoutError) as exc:
-            if channel is not None:
-                self._drop_channel(owner_name)
+            self._owners.pop(owner_name, None)  # a pool of that name may come back as another actor
+            self._drop_channel(owner_name)
             return [f"owner {owner_name} unavailable: {type(exc).__name__}"] * len(keys)
         suspects: list[TokenKey] = []
         try:
@@ -437,6 +429,7 @@ class PoolActor:
             # these blocks are misses, fetched elsewhere or recomputed.
             if self.svc.transport is not None and owner_name in self.svc.transport.peers:
                 self.svc.transport.remove_peers([owner_name])
+            self._owners.pop(owner_name, None)
             return [f"transfer from {owner_name} failed: {type(exc).__name__}"] * len(keys)
         finally:
             # Not awaited: the lease ends a pin anyway. A suspect's check must follow the unpin,
@@ -461,6 +454,29 @@ class PoolActor:
         except ChannelError:
             return False
         return True
+
+    async def _pin_at(
+        self, owner_name: str, owner: Any, access: Access, keys: list[TokenKey], timeout_s: float
+    ) -> tuple[PinTicket, ChannelClient | None]:
+        """Pin ``keys`` on the owner: over its channel, else (none, or it broke) as a Ray
+        call. Returns the ticket and the channel it came through."""
+        channel = await self._channel_to(owner_name, owner)
+        if channel is not None:
+            try:
+                return await channel.call("pin", access, keys, timeout_s=timeout_s), channel
+            except ChannelError:  # broken or refused: the Ray call decides
+                self._channels.pop(owner_name, None)
+        ticket: PinTicket = await asyncio.wait_for(owner.pin.remote(access, keys), timeout_s)
+        return ticket, None
+
+    def _owner(self, owner_name: str) -> Any:
+        """The owner's actor handle, looked up once: a lookup is a blocking call to Ray's
+        control store (0.4 ms here), on this actor's event loop, on every fetch otherwise."""
+        handle = self._owners.get(owner_name)
+        if handle is None:
+            handle = ray.get_actor(owner_name, namespace=self.ray_namespace)
+            self._owners[owner_name] = handle
+        return handle
 
     async def _channel_to(self, owner_name: str, owner: Any) -> ChannelClient | None:
         """The open channel to ``owner_name``, connecting on first use; ``None`` when this pool
