@@ -2,7 +2,10 @@
 object store and memcpy, all measured in one run on the same pools and the same bytes.
 
 Two cases: 256 DeepSeek-V3 MLA pages of 73,728 B (FlashMLA's bf16 page), and 16 MiB batches
-of 1 MiB pages. Per case, in the reader actor, interleaved so noise hits all alike:
+of 1 MiB pages. Per case, in the reader actor, interleaved so noise hits all alike, and each
+timed step after the reader wrote a 96 MiB scratch buffer, so none finds the bytes in the
+caches where the step before it left them (the raw READ used to follow a fetch of the same
+bytes, and ran about a fifth faster for it):
 
 - ``fetch_full_path``: ask the owner to look the pages up by token key and pin them (one
   request on the tier's pin channel, ``actors/channel.py``, answered on the owner's own event
@@ -206,7 +209,15 @@ class BenchNode:
             pool.evict(n, copy_data=False)
             return local
 
+        scratch = torch.empty(96 << 20, dtype=torch.uint8)
+
+        def cold() -> None:
+            """Push the pages out of the caches (L3 here: 32 MiB, shared by both processes),
+            so that no timed step finds the bytes the step before it read."""
+            scratch.fill_(1)
+
         for rep in range(reps + 1):  # the first round warms every path up, untimed
+            cold()
             # The tier's path: the pin over the pool's channel, the unpin sent without waiting.
             t_full = t = time.perf_counter()
             lease, export = loop.run_until_complete(client.call("pin", keys, timeout_s=30))
@@ -218,6 +229,7 @@ class BenchNode:
             fetched(res)
 
             # The same with the pin as a Ray actor call (what a pool without a channel does).
+            cold()
             t = time.perf_counter()
             lease, export = ray.get(owner.pin_export.remote(keys))
             owner_call_ray = time.perf_counter() - t
@@ -226,14 +238,17 @@ class BenchNode:
             full_ray_pin = time.perf_counter() - t
             local = fetched(res)
 
+            cold()
             t = time.perf_counter()
             transfer_call = raw_read(local)
             raw = time.perf_counter() - t
 
+            cold()
             t = time.perf_counter()
             hash_all()
             hashing = time.perf_counter() - t
 
+            cold()
             # Can the reader hash pages while a READ lands others? The READ on a thread kept
             # for it, as the transport's I/O thread runs it, and the hashing on this one.
             t = time.perf_counter()
@@ -242,12 +257,14 @@ class BenchNode:
             reading.result()
             overlapped = time.perf_counter() - t
 
+            cold()
             t = time.perf_counter()
             rows = ray.get(owner.serve.remote(remote_slots))
             scatter_rows(pool.data, local, rows)
             via_ray = time.perf_counter() - t
             del rows
 
+            cold()
             t = time.perf_counter()
             dst.copy_(src)
             copy = time.perf_counter() - t

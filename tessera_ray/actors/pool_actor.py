@@ -495,6 +495,12 @@ class PoolActor:
                 "pool %s: no channel to %s (%s); pinning through Ray", self.svc.name, owner_name, e
             )
             return None  # asked again next time: the owner may be back
+        known = self._channels.get(owner_name)
+        if known is not None and not known.closed:
+            # Another fetch connected meanwhile: keep one connection per owner.
+            if client is not None:
+                client.close()
+            return known
         self._channels[owner_name] = client
         return client
 

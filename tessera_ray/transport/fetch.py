@@ -273,8 +273,11 @@ def _reserve(transport: Transport, export: PageExport, local: list[PageHandle] |
         return _Pending(export, pool, [], [], done=done)
     if not len(export):
         return _Pending(export, pool, [], [], done=FetchResult((), (), 0))
-    handles = local if local is not None else pool.allocate_many(len(export))
-    return _Pending(export, pool, handles, [int(pool.slot(h)) for h in handles])
+    if local is not None:
+        return _Pending(export, pool, local, [int(pool.slot(h)) for h in local])
+    # Pages this call just allocated: their slot is in the handle, no lookup needed.
+    handles = pool.allocate_many(len(export))
+    return _Pending(export, pool, handles, [h.offset // h.length for h in handles])
 
 
 def _chunk_pages(transport: Transport, page_bytes: int, n: int) -> int:
@@ -387,16 +390,13 @@ def _finish(
         landed += b - a
         if content_hash is pool.content_hash_fn:
             # The pool hashes with the owner's function: verify and seal in one hash pass.
-            chunk = list(range(a, b))
             sealed, mismatched = pool.seal_verified(
-                [handles[i] for i in chunk],
-                export.namespace,
-                [export.content_hashes[i] for i in chunk],
+                handles[a:b], export.namespace, export.content_hashes[a:b]
             )
-            bad = [_mismatch(export, chunk[m], None) for m in mismatched]
+            bad = [_mismatch(export, a + m, None) for m in mismatched]
             fetched += (
                 FetchedPage(i, r.content_hash, r.handle, r.deduplicated)
-                for i, r in zip(chunk, sealed, strict=True)
+                for i, r in enumerate(sealed, a)
                 if r is not None
             )
         else:
