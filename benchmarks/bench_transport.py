@@ -389,22 +389,26 @@ def main() -> None:
             r = run_case(page_bytes, n, reps)
             nbytes = n * page_bytes
             full = f"fetch_full_path_{label}"
+            raw_ms = nbytes / r["raw"] / 1e6
             # The reason comes from this run's own split of the full path.
             why = (
                 f"the owner's lookup + pin + export over the channel takes "
                 f"{r['owner_call_ms']:.1f} ms of the {nbytes / r['full'] / 1e6:.1f} ms batch "
                 f"(as a Ray actor call {r['owner_call_ray_ms']:.1f} ms; a Ray call doing "
-                f"nothing {r['noop_ms']:.1f} ms), against {nbytes / r['raw'] / 1e6:.1f} ms "
+                f"nothing {r['noop_ms']:.1f} ms), against {raw_ms:.1f} ms "
                 f"for the whole raw READ; and the reader's part (READ + hash every page + "
                 f"seal) runs at "
                 f"{nbytes / r['read_verify_seal_ms'] / 1e6 / r['raw']:.2f} of raw NIXL READ: "
                 f"a READ and hashing as many bytes on two threads of one process take "
                 f"{r['read_while_hashing_ms']:.1f} ms together against "
-                f"{nbytes / r['raw'] / 1e6:.1f} + {r['hash_ms']:.1f} ms apart (row "
+                f"{raw_ms:.1f} + {r['hash_ms']:.1f} ms apart (row "
                 f"read_while_hashing_{label}; NIXL's binding copies inside transfer(), "
                 f"{r['transfer_call_ms']:.1f} ms, row nixl_transfer_call_{label}), so on this "
                 f"2-core VM verifying costs most of the hash (a hash in a separate process "
-                f"mostly overlaps a READ: benchmarks/probe_nixl_overlap.py)"
+                f"lets the READ run on, but is itself slowed about 2x: "
+                f"benchmarks/probe_nixl_overlap.py). READ then hash with nothing else would "
+                f"reach about {raw_ms / (raw_ms + r['hash_ms']):.2f} of raw in this run, "
+                f"before any owner round trip"
             )
 
             rows += [

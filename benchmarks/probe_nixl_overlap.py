@@ -12,11 +12,18 @@ registered with NIXL and a reader with as many slots, both agents made as the ti
   fresh one per round; ``read_and_hash_kept_thread``: the same on one thread kept for every
   READ, as the transport's I/O thread is (a fresh thread adds its own start-up cost);
 - ``read_while_other_process_hashes``: the READ while a third process hashes its own pages,
-  and that process's hashing time meanwhile.
+  and that process's hashing time meanwhile;
+- ``read_then_hash_landed``: the READ, then a hash of every page that landed, on one thread
+  (what a verified fetch does, without the owner round trip or any bookkeeping), printed
+  with its share of the READ alone: the most a fetch that verifies after reading can reach.
 
 On this 2-core VM two threads take about the sum of both apart (a kept thread a little less:
 3.65-4.10 ms against 3.0-3.2 ms of READ and 0.8-0.9 ms of hash in two runs), while the
-separate process overlaps the READ almost fully (3.25-3.29 ms).
+separate process overlaps the READ almost fully (3.25-3.29 ms). The overlap is the READ's
+only: in three later runs the other process's hash took 2.1-2.9 ms beside the READ against
+1.0-1.2 ms alone, the two cores and the memory bus being shared, and READ then hash on one
+thread ran at 0.69-0.71 of the READ alone (2.6-2.9 ms of READ). A verifier process fed the
+landed chunks over a pipe (tried, not kept) did no better than hashing after the READ.
 Run: ``python benchmarks/probe_nixl_overlap.py``.
 """
 
@@ -118,6 +125,13 @@ def main() -> None:
         for row in rows:
             xxhash.xxh3_128_intdigest(row)
 
+    landed = memoryview(slots.numpy()).cast("B")
+
+    def read_then_hash_landed() -> None:
+        read()
+        for i in range(PAGES):
+            xxhash.xxh3_128_intdigest(landed[i * PAGE_BYTES : (i + 1) * PAGE_BYTES])
+
     def timed(fn: Any) -> float:
         start = time.perf_counter()
         fn()
@@ -158,6 +172,7 @@ def main() -> None:
         hasher_end.send(True)
         add("read_while_other_process_hashes", timed(read))
         add("other_process_hash_meanwhile", hasher_end.recv())
+        add("read_then_hash_landed", timed(read_then_hash_landed))
     hasher_end.send(False)
     owner_end.send(True)
     for p in procs:
@@ -165,6 +180,8 @@ def main() -> None:
     print(f"{PAGES} pages of {PAGE_BYTES} B, medians of {ROUNDS} rounds:")
     for key, values in samples.items():
         print(f"  {key:34s} {statistics.median(values) * 1e3:6.2f} ms")
+    share = statistics.median(samples["read"]) / statistics.median(samples["read_then_hash_landed"])
+    print(f"  read_then_hash_landed runs at {share:.2f} of the READ alone")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,16 +19,14 @@ import ray
 
 from tessera_ray.actors._ray_names import CALL_TIMEOUT_S as _CALL_TIMEOUT_S
 from tessera_ray.actors._ray_names import DEAD as _DEAD
-from tessera_ray.actors._ray_names import shard_name as _shard_name
 from tessera_ray.actors.channel import ChannelAddress, ChannelClient, ChannelError, ChannelServer
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import (
-    LookupResult,
     Registration,
     Tier,
 )
+from tessera_ray.actors.directory_actor import ShardedDirectory
 from tessera_ray.actors.exporter import export_pool_status, pool_tags
-from tessera_ray.actors.links import group_by_shard
 from tessera_ray.actors.messages import (
     BlockCheck,
     BlockRead,
@@ -41,7 +38,7 @@ from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.pool_transfer import is_hash_mismatch
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
-from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import TenantError, TransportError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.metrics import get_metrics
@@ -51,84 +48,6 @@ from tessera_ray.transport.factory import fallback_counts
 __all__ = ["PoolActor"]
 
 log = logging.getLogger(__name__)
-
-
-class _RayDirectory:
-    """The pool's view of the directory (DirectoryLink over shard actors). A shard that is down
-    is skipped: it rebuilds from inventories when it is back, so nothing is lost."""
-
-    def __init__(self, ray_namespace: str, num_shards: int) -> None:
-        self.ray_namespace = ray_namespace
-        self.num_shards = num_shards
-        # Ray runs an async actor's calls in no guaranteed order, even from one caller: a drop
-        # and a later register of the same replica could land reversed, leaving the directory
-        # naming a copy the pool no longer has (or forgetting one it has). Each change waits
-        # for the previous one to be applied.
-        self._writes = asyncio.Lock()
-
-    def _shard(self, i: int) -> Any:
-        return ray.get_actor(_shard_name(i), namespace=self.ray_namespace)
-
-    async def _call(self, i: int, method: str, *args: Any) -> Any:
-        try:
-            return await asyncio.wait_for(
-                getattr(self._shard(i), method).remote(*args), _CALL_TIMEOUT_S
-            )
-        except (*_DEAD, ValueError, TimeoutError) as exc:  # ValueError: name not found yet
-            log.warning("directory shard %d unavailable for %s: %s", i, method, exc)
-            return None
-
-    async def register(self, entries: Sequence[Registration]) -> None:
-        groups = group_by_shard([e.token_key for e in entries], self.num_shards)
-        async with self._writes:
-            await asyncio.gather(
-                *(self._call(s, "register", [entries[i] for i in idx]) for s, idx in groups.items())
-            )
-
-    async def drop(
-        self, pool: str, blocks: Sequence[tuple[str, BlockHash]], tier: Tier | None
-    ) -> None:
-        async with self._writes:
-            await asyncio.gather(
-                *(
-                    self._call(s, "drop_replicas", pool, list(blocks), tier)
-                    for s in range(self.num_shards)
-                )
-            )
-
-    async def purge(self, pool: str) -> None:
-        """Forget every replica of ``pool`` (a pool process that starts holds nothing)."""
-        async with self._writes:
-            await asyncio.gather(
-                *(self._call(s, "purge_pool", pool) for s in range(self.num_shards))
-            )
-
-    async def publish_peer(self, info: PeerInfo) -> None:
-        """Every shard keeps every pool's transport data, so a reader finds it at any shard."""
-        await asyncio.gather(*(self._call(s, "publish_peer", info) for s in range(self.num_shards)))
-
-    async def peer(self, name: str) -> PeerInfo | None:
-        for s in range(self.num_shards):
-            found = await self._call(s, "peer", name)
-            if found is not None:
-                return found  # type: ignore[no-any-return]
-        return None
-
-    async def lookup(
-        self, namespace: Access, token_keys: Sequence[TokenKey]
-    ) -> list[LookupResult | None]:
-        out: list[LookupResult | None] = [None] * len(token_keys)
-        groups = group_by_shard(token_keys, self.num_shards)
-        answers = await asyncio.gather(
-            *(
-                self._call(s, "lookup", namespace, [token_keys[i] for i in idx])
-                for s, idx in groups.items()
-            )
-        )
-        for idx, answer in zip(groups.values(), answers, strict=True):
-            for i, r in zip(idx, answer or [None] * len(idx), strict=True):
-                out[i] = r
-        return out
 
 
 # Restarted by Ray when its process dies (calls in flight fail; clients fall back): the new
@@ -153,7 +72,7 @@ class PoolActor:
         node = ray.get_runtime_context().get_node_id()
         self.ray_namespace = ray_namespace
         self.num_shards = num_shards
-        self.directory = _RayDirectory(ray_namespace, num_shards)
+        self.directory = ShardedDirectory(ray_namespace, num_shards)
         # content_hash: a weaker hash forces collisions in tests; the default is xxh3-128.
         self.svc = PoolService(
             name,
