@@ -9,8 +9,9 @@ bytes, and ran about a fifth faster for it):
 
 - ``fetch_full_path``: ask the owner to look the pages up by token key and pin them (one
   request on the tier's pin channel, ``actors/channel.py``, answered on the owner's own event
-  loop), one NIXL READ per 4 MiB into reserved slots, recompute every page's content hash,
-  seal; the unpin is sent without waiting, as a pool actor does.
+  loop), NIXL READs into reserved slots (one request here; per 4 MiB on a reader with 4 or
+  more CPUs, ``TransportConfig.chunk_bytes``), recompute every page's content hash, seal; the
+  unpin is sent without waiting, as a pool actor does.
 - ``raw_nixl_read``: the same bytes and slots with NIXL alone (own agents, prepared lists, one
   request, busy completion check): the ceiling. Target ratio >= 0.6.
 - ``ray_object_store``: the owner returns the pages through the object store and the reader

@@ -7,10 +7,11 @@ seals the pages that match and releases the rest. Nothing is sealed before its b
 and every reserved slot ends sealed (returned in ``fetched``) or back on the free list (named in
 ``failed``). The owner unpins when the reader answers, whatever the outcome.
 
-Over a transport whose reads overlap the caller (NIXL), a fetch is split into reads of about
-``TransportConfig.fetch_chunk_bytes``, all queued at once; each chunk is verified and sealed as
-soon as it lands, while the next one is read. A failure part-way keeps the chunks already
-verified and sealed (``fetched``) and returns every later slot (``failed``).
+Over a transport whose reads overlap the caller (NIXL), on a machine with cores to spare, a
+fetch is split into reads of about ``TransportConfig.chunk_bytes``, all queued at once; each
+chunk is verified and sealed as soon as it lands, while the next one is read. A failure
+part-way keeps the chunks already verified and sealed (``fetched``) and returns every later
+slot (``failed``).
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ def _reserve(transport: Transport, export: PageExport, local: list[PageHandle] |
 
 
 def _chunk_pages(transport: Transport, page_bytes: int, n: int) -> int:
-    chunk_bytes = transport.config.fetch_chunk_bytes
+    chunk_bytes = transport.config.chunk_bytes
     if not transport.capabilities.overlaps_caller or chunk_bytes == 0:
         return n  # nothing would overlap: one request
     return max(1, chunk_bytes // page_bytes)

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.ray
 LAYOUT = build_layout(MLAConfig(name="load-mla", num_layers=1, num_heads=1, kv_lora_rank=64))
 NUM_CLIENTS = 16
 OPS_PER_CLIENT = int(os.environ.get("TESSERA_LOAD_OPS", "2000"))
-TIME_BOUND_S = 600.0
+TIME_BOUND_S = 1200.0
+"""A bound against a hang, not a speed target (the rate is reported in RELIABILITY.md): the
+suite's runs took 333-404 s, and 622 s on a day when every Ray call here was 1.6-2.5x slower."""
 SECRET = b"load-suite-tenant-secret-0123456789"
 
 

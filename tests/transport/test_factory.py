@@ -19,6 +19,7 @@ from tessera_ray.transport import (
     fallback_counts,
     make_transport,
 )
+from tessera_ray.transport import config as config_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,11 +34,26 @@ ROOT = Path(__file__).resolve().parents[2]
         {"nixl_backends": ()},
         {"nixl_num_threads": -1},
         {"poll_max_sleep_s": -1.0},
+        {"fetch_chunk_bytes": -1},
+        {"fetch_chunk_bytes": True},
+        {"fetch_chunk_bytes": 1.5},
     ],
 )
 def test_config_rejects(kw: dict[str, object]) -> None:
     with pytest.raises(TransportConfigError):
         TransportConfig(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("cpus", "chunk"), [(1, 0), (2, 0), (3, 0), (4, 4 << 20), (64, 4 << 20)])
+def test_fetch_chunking_by_default_follows_the_cpus(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, chunk: int
+) -> None:
+    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda _: set(range(cpus)))
+    assert config_module.usable_cpus() == cpus
+    assert TransportConfig().chunk_bytes == chunk
+    # A size set by hand is kept whatever the machine.
+    assert TransportConfig(fetch_chunk_bytes=12288).chunk_bytes == 12288
+    assert TransportConfig(fetch_chunk_bytes=0).chunk_bytes == 0
 
 
 def test_make_transport_by_kind() -> None:
