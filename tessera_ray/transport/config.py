@@ -62,10 +62,13 @@ class TransportConfig:
                 f"nixl_num_threads must be an int, got {self.nixl_num_threads!r}"
             )
         chunk = self.fetch_chunk_bytes
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)):
-            raise TransportConfigError(f"fetch_chunk_bytes must be an int or None, got {chunk!r}")
-        if chunk is not None and chunk < 0:
-            raise TransportConfigError(f"fetch_chunk_bytes must be >= 0, got {chunk}")
+        if chunk is not None:
+            if isinstance(chunk, bool) or not isinstance(chunk, int):
+                raise TransportConfigError(
+                    f"fetch_chunk_bytes must be an int or None, got {chunk!r}"
+                )
+            if chunk < 0:
+                raise TransportConfigError(f"fetch_chunk_bytes must be >= 0, got {chunk}")
         if (
             isinstance(self.nixl_progress_delay_us, bool)
             or not isinstance(self.nixl_progress_delay_us, int)
