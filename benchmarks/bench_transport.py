@@ -9,9 +9,11 @@ bytes, and ran about a fifth faster for it):
 
 - ``fetch_full_path``: ask the owner to look the pages up by token key and pin them (one
   request on the tier's pin channel, ``actors/channel.py``, answered on the owner's own event
-  loop), NIXL READs into reserved slots (one request here; per 4 MiB on a reader with 4 or
-  more CPUs, ``TransportConfig.chunk_bytes``), recompute every page's content hash, seal; the
-  unpin is sent without waiting, as a pool actor does.
+  loop) and reserve the reader's slots while it answers, NIXL READs into them (on a reader
+  with fewer than 4 CPUs on the waiting thread, in requests of 512 KiB,
+  ``TransportConfig.hash_chunk_bytes``, each request's pages hashed as soon as it lands, still
+  in cache), compare every page's content hash with the export, seal; the unpin is sent
+  without waiting, as a pool actor does.
 - ``raw_nixl_read``: the same bytes and slots with NIXL alone (own agents, prepared lists, one
   request, busy completion check): the ceiling. Target ratio >= 0.6.
 - ``ray_object_store``: the owner returns the pages through the object store and the reader
@@ -19,7 +21,7 @@ bytes, and ran about a fifth faster for it):
 - ``memcpy``: the same bytes copied within the reader's process. Reported.
 
 More rows split the full path: ``fetch_owner_call`` (the owner's lookup + pin + export over
-the channel, ms), ``fetch_owner_call_ray`` and ``fetch_full_path_ray_pin`` (the same with the
+the channel, with the reader's reservation beside it, ms), ``fetch_owner_call_ray`` and ``fetch_full_path_ray_pin`` (the same with the
 pin as a Ray actor call, what a pool without a channel does), ``actor_noop_call`` (the same
 actors' round trip for a method that does nothing, ms: Ray's floor) and
 ``fetch_read_verify_seal`` (the reader's part, GB/s). ``nixl_transfer_call`` is the time spent
@@ -217,24 +219,35 @@ class BenchNode:
             so that no timed step finds the bytes the step before it read."""
             scratch.fill_(1)
 
-        for rep in range(reps + 1):  # the first round warms every path up, untimed
-            cold()
-            # The tier's path: the pin over the pool's channel, the unpin sent without waiting.
-            t_full = t = time.perf_counter()
-            lease, export = loop.run_until_complete(client.call("pin", keys, timeout_s=30))
+        async def full_path() -> tuple[Any, float, float]:
+            """The tier's path, as a pool actor runs it: the pin sent over the owner's
+            channel, the reader's slots reserved while the owner answers, the read, verify and
+            seal, the unpin sent without waiting. Returns the result and the time of the
+            answer and of the fetch's end."""
+            pending = client.request("pin", keys)
+            local = pool.allocate_many(n)
+            lease, export = await pending.answer(30)
             t_call = time.perf_counter()
-            res = fetch_verified(self.transport, export, timeout_s=30)
+            res = fetch_verified(self.transport, export, local=local, timeout_s=30)
             t_fetch = time.perf_counter()
             client.send("unpin", lease)
+            return res, t_call, t_fetch
+
+        for rep in range(reps + 1):  # the first round warms every path up, untimed
+            cold()
+            t_full = t = time.perf_counter()
+            res, t_call, t_fetch = loop.run_until_complete(full_path())
             full = time.perf_counter() - t
             fetched(res)
 
             # The same with the pin as a Ray actor call (what a pool without a channel does).
             cold()
             t = time.perf_counter()
-            lease, export = ray.get(owner.pin_export.remote(keys))
+            pinning = owner.pin_export.remote(keys)
+            reserved = pool.allocate_many(n)
+            lease, export = ray.get(pinning)
             owner_call_ray = time.perf_counter() - t
-            res = fetch_verified(self.transport, export, timeout_s=30)
+            res = fetch_verified(self.transport, export, local=reserved, timeout_s=30)
             owner.unpin.remote(lease)
             full_ray_pin = time.perf_counter() - t
             local = fetched(res)

@@ -40,6 +40,7 @@ __all__ = [
     "ChannelError",
     "ChannelServer",
     "MAX_FRAME_BYTES",
+    "PendingCall",
 ]
 
 log = logging.getLogger(__name__)
@@ -194,20 +195,21 @@ class ChannelClient:
         """Run ``op`` on the pool and return its answer (or raise its error). Raises
         :class:`ChannelError` when the connection breaks, ``TimeoutError`` past ``timeout_s``
         (the connection is then closed: a late answer must not be taken for a later call's)."""
+        return await self.request(op, *args).answer(timeout_s)
+
+    def request(self, op: str, *args: Any) -> PendingCall:
+        """Send ``op`` now and return without waiting: the caller works while the pool answers
+        (a fetch reserves its slots while the owner pins), then awaits
+        :meth:`PendingCall.answer`. Raises :class:`ChannelError` at once if it cannot be sent."""
         req_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[req_id] = future
         try:
             self._send((req_id, op, args))
-            ok, value = await asyncio.wait_for(future, timeout_s)
-        except TimeoutError:
-            self.close()
-            raise
-        finally:
+        except BaseException:
             self._waiting.pop(req_id, None)
-        if not ok:
-            raise value
-        return value
+            raise
+        return PendingCall(self, req_id, future)
 
     def send(self, op: str, *args: Any) -> None:
         """Run ``op`` on the pool without waiting for, or getting, an answer."""
@@ -250,6 +252,37 @@ class ChannelClient:
         self._waiting.clear()
         if not self._pump.done() and asyncio.current_task() is not self._pump:
             self._pump.cancel()
+
+
+class PendingCall:
+    """A request on the wire (:meth:`ChannelClient.request`); await :meth:`answer` once."""
+
+    __slots__ = ("_client", "_future", "_req_id")
+
+    def __init__(self, client: ChannelClient, req_id: int, future: asyncio.Future[Any]) -> None:
+        self._client = client
+        self._req_id = req_id
+        self._future = future
+
+    async def answer(self, timeout_s: float) -> Any:
+        """The pool's answer (or its error raised); :class:`ChannelError` when the connection
+        broke, ``TimeoutError`` past ``timeout_s`` (the connection is then closed: a late
+        answer must not be taken for a later call's)."""
+        try:
+            ok, value = await asyncio.wait_for(self._future, timeout_s)
+        except TimeoutError:
+            self._client.close()
+            raise
+        finally:
+            self._client._waiting.pop(self._req_id, None)
+        if not ok:
+            raise value
+        return value
+
+    def cancel(self) -> None:
+        """Stop waiting for the answer (it is dropped when it comes)."""
+        self._client._waiting.pop(self._req_id, None)
+        self._future.cancel()
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:

@@ -19,7 +19,13 @@ import ray
 
 from tessera_ray.actors._ray_names import CALL_TIMEOUT_S as _CALL_TIMEOUT_S
 from tessera_ray.actors._ray_names import DEAD as _DEAD
-from tessera_ray.actors.channel import ChannelAddress, ChannelClient, ChannelError, ChannelServer
+from tessera_ray.actors.channel import (
+    ChannelAddress,
+    ChannelClient,
+    ChannelError,
+    ChannelServer,
+    PendingCall,
+)
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import (
     Registration,
@@ -32,6 +38,7 @@ from tessera_ray.actors.messages import (
     BlockRead,
     PinTicket,
     PoolStatus,
+    Reservation,
     StoredBlock,
 )
 from tessera_ray.actors.pool_service import PoolService
@@ -39,7 +46,7 @@ from tessera_ray.actors.pool_transfer import is_hash_mismatch
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
 from tessera_ray.core.results import TokenKey
-from tessera_ray.errors import TenantError, TransportError
+from tessera_ray.errors import PageShapeError, PoolExhaustedError, TenantError, TransportError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.metrics import get_metrics
 from tessera_ray.transport import PeerInfo, make_transport
@@ -302,9 +309,12 @@ class PoolActor:
         self, owner_name: str, access: Access, keys: list[TokenKey], timeout_s: float
     ) -> list[str | None]:
         namespace = self.svc.gate.resolve(access, write=False)
+        reservation: Reservation | None = None
         try:
             owner = self._owner(owner_name)
-            ticket, channel = await self._pin_at(owner_name, owner, access, keys, timeout_s)
+            ticket, channel, reservation = await self._pin_at(
+                owner_name, owner, access, keys, timeout_s
+            )
         except (*_DEAD, ValueError, TimeoutError) as exc:
             self._owners.pop(owner_name, None)  # a pool of that name may come back as another actor
             self._drop_channel(owner_name)
@@ -324,7 +334,7 @@ class PoolActor:
             peer = await self._peer_of(owner_name, owner)
             reasons: list[str | None]
             if peer is not None:
-                reasons = await self.svc.fetch_pinned(ticket, peer, timeout_s)
+                reasons = await self.svc.fetch_pinned(ticket, peer, timeout_s, reservation)
             else:
                 reasons = [
                     None if b is not None else f"not held by {owner_name}" for b in ticket.blocks
@@ -351,6 +361,8 @@ class PoolActor:
             self._owners.pop(owner_name, None)
             return [f"transfer from {owner_name} failed: {type(exc).__name__}"] * len(keys)
         finally:
+            if reservation is not None:  # what the fetch did not take over goes back
+                self.svc.abort(reservation.id)
             # Not awaited: the lease ends a pin anyway. A suspect's check must follow the unpin,
             # so that one goes through Ray, whose answer says when it landed.
             if suspects:
@@ -376,17 +388,48 @@ class PoolActor:
 
     async def _pin_at(
         self, owner_name: str, owner: Any, access: Access, keys: list[TokenKey], timeout_s: float
-    ) -> tuple[PinTicket, ChannelClient | None]:
+    ) -> tuple[PinTicket, ChannelClient | None, Reservation | None]:
         """Pin ``keys`` on the owner: over its channel, else (none, or it broke) as a Ray
-        call. Returns the ticket and the channel it came through."""
+        call. While the owner pins, slots for every key are reserved here (what the owner
+        does not hold is freed by the fetch): the reservation no longer waits for the pin
+        round trip. Returns the ticket, the channel it came through and the reservation."""
         channel = await self._channel_to(owner_name, owner)
+        pending: PendingCall | None = None
         if channel is not None:
             try:
-                return await channel.call("pin", access, keys, timeout_s=timeout_s), channel
-            except ChannelError:  # broken or refused: the Ray call decides
+                pending = channel.request("pin", access, keys)
+            except ChannelError:
                 self._channels.pop(owner_name, None)
-        ticket: PinTicket = await asyncio.wait_for(owner.pin.remote(access, keys), timeout_s)
-        return ticket, None
+        ref: Any = owner.pin.remote(access, keys) if pending is None else None
+        try:
+            reservation = await self._reserve_for(len(keys))
+        except BaseException:
+            if pending is not None:
+                pending.cancel()  # an answered pin is reaped when its lease ends
+            raise
+        try:
+            if pending is not None:
+                try:
+                    return await pending.answer(timeout_s), channel, reservation
+                except ChannelError:  # broken or refused: the Ray call decides
+                    self._channels.pop(owner_name, None)
+                    ref = owner.pin.remote(access, keys)
+            ticket: PinTicket = await asyncio.wait_for(ref, timeout_s)
+        except BaseException:
+            if reservation is not None:
+                self.svc.abort(reservation.id)
+            raise
+        return ticket, None, reservation
+
+    async def _reserve_for(self, num_blocks: int) -> Reservation | None:
+        """Slots for a one-sided fetch of ``num_blocks``, or ``None`` (no transport, or no
+        room now: the fetch then reserves what the owner holds, as it did alone)."""
+        if self.svc.transport is None or not num_blocks:
+            return None
+        try:
+            return await self.svc.reserve(num_blocks)
+        except (PoolExhaustedError, PageShapeError):
+            return None
 
     def _owner(self, owner_name: str) -> Any:
         """The owner's actor handle, looked up once: a lookup is a blocking call to Ray's

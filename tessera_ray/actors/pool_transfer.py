@@ -70,6 +70,8 @@ class TransferMixin:
 
         async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Reservation: ...
 
+        def _release(self, lease: Lease) -> None: ...
+
         async def _commit(
             self,
             reservation_id: int,
@@ -139,20 +141,36 @@ class TransferMixin:
         return transport.register(self.pools)
 
     async def fetch_pinned(
-        self, ticket: PinTicket, owner_peer: str, timeout_s: float | None = None
+        self,
+        ticket: PinTicket,
+        owner_peer: str,
+        timeout_s: float | None = None,
+        reservation: Reservation | None = None,
     ) -> list[str | None]:
         """Read the blocks ``ticket`` pinned on another pool straight into reserved local slots
         (one transport request per layer group), verify every page's content hash, and name
         the blocks under their token keys. Per pinned block: ``None`` or why it failed. A
         failed block's slots return to the free list or stay unnamed; nothing unverified is
-        ever sealed. The owner unpins afterwards, whatever the outcome."""
+        ever sealed. The owner unpins afterwards, whatever the outcome.
+
+        ``reservation``: slots reserved while the pin was on its way (at least one block per
+        pinned block; the fetch takes it over and frees what it does not use); ``None``
+        reserves here."""
         if self.transport is None:
             raise PageShapeError("no transport attached; use install() with the bytes instead")
         held = [b for b in ticket.blocks if b is not None]
         if not held:
             return [None if b is not None else "not held by the owner" for b in ticket.blocks]
-        res = await self.reserve(len(held))
-        lease = self._reservations.pop(res.id)  # the fetch owns these slots from here on
+        lease = None
+        if reservation is not None and reservation.num_blocks >= len(held):
+            lease = self._reservations.pop(reservation.id, None)  # None: it expired meanwhile
+        if lease is None:
+            res = await self.reserve(len(held))
+            lease = self._reservations.pop(res.id)
+        # The fetch owns these slots from here on.
+        if len(lease.handles) > len(held):
+            self._release(Lease(lease.handles[len(held) :], 0.0))
+            lease.handles = lease.handles[: len(held)]
         exports = [
             PageExport(
                 peer=owner_peer,

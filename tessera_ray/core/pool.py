@@ -178,6 +178,15 @@ class BlockPool:
     def is_sealed(self, handle: PageHandle) -> bool:
         return self._resolve(handle).state == SEALED
 
+    def writable_slots(self, handles: Sequence[PageHandle]) -> list[int]:
+        """The rows of distinct writable pages ``handles`` (slots a caller reserved, checked in
+        one pass); raises :class:`PageSealedError` if one is sealed."""
+        recs = self._distinct(handles)
+        for r in recs:
+            if r.state == SEALED:
+                raise PageSealedError(f"page {r.index} is sealed; reserve writable pages")
+        return [r.index for r in recs]
+
     def content_hash_of(self, handle: PageHandle) -> ContentHash:
         """The content hash a sealed page was sealed with (what a reader verifies after a copy)."""
         rec = self._resolve(handle)
@@ -349,30 +358,49 @@ class BlockPool:
         ns = self._dedup.namespace(namespace)
         return [self._seal(r, ns, h) for r, h in zip(recs, handles, strict=True)]
 
+    def hash_pages(self, slots: Sequence[int], seed: int) -> list[int]:
+        """Content hashes, keyed by ``seed`` (:func:`content_seed`), of the bytes now in pages
+        ``slots``, whatever their state. Reads page memory only, so a transport may call it on
+        its own thread for slots it just wrote and nobody else touches (their bytes are then
+        hashed while the copy left them in the CPU's cache)."""
+        fn, host, pb = self._hash, self._host, self.page_bytes
+        if host is None:
+            return [fn(self._page_buffer(s), seed) for s in slots]
+        return [fn(host[s * pb : (s + 1) * pb], seed) for s in slots]
+
     def seal_verified(
-        self, handles: Sequence[PageHandle], namespace: str, expected: Sequence[int]
+        self,
+        handles: Sequence[PageHandle],
+        namespace: str,
+        expected: Sequence[int],
+        digests: Sequence[int] | None = None,
     ) -> tuple[list[SealResult | None], list[int]]:
         """Seal the pages whose content hash equals ``expected[i]`` (what their owner sealed
         them with), hashing each page once; a page that differs is left writable and unsealed.
 
         For bytes that arrived from another pool: verification and sealing share one hash
-        pass. Returns per page its :class:`SealResult` or ``None``, and the positions that
-        did not match (the caller releases those pages).
+        pass. ``digests`` are the pages' content hashes when the caller already computed them
+        over the bytes now in the pages (:meth:`hash_pages` with this namespace's seed, as a
+        transport does where they land); they are then not hashed again. Returns per page its
+        :class:`SealResult` or ``None``, and the positions that did not match (the caller
+        releases those pages).
         """
         if len(expected) != len(handles):
             raise PageShapeError(f"{len(expected)} expected hashes for {len(handles)} pages")
+        if digests is not None and len(digests) != len(handles):
+            raise PageShapeError(f"{len(digests)} digests for {len(handles)} pages")
         recs = self._distinct(handles)
         for r in recs:
             if r.state == SEALED:
                 raise PageSealedError(f"page {r.index} is already sealed")
         ns = self._dedup.namespace(namespace)
-        seed, host, pb = self._dedup.seeds[ns], self._host, self.page_bytes
+        if digests is None:
+            digests = self.hash_pages([r.index for r in recs], self._dedup.seeds[ns])
         out: list[SealResult | None] = []
         mismatched: list[int] = []
-        for pos, (rec, handle, want) in enumerate(zip(recs, handles, expected, strict=True)):
-            i = rec.index
-            page = host[i * pb : (i + 1) * pb] if host is not None else self._page_buffer(i)
-            digest = self._hash(page, seed)
+        for pos, (rec, handle, want, digest) in enumerate(
+            zip(recs, handles, expected, digests, strict=True)
+        ):
             if digest != want:
                 mismatched.append(pos)
                 out.append(None)

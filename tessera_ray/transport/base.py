@@ -11,6 +11,12 @@ its ``group``.
 A read returns a :class:`TransferTicket`. Every ticket ends in exactly one :meth:`wait` (which
 returns, or raises after releasing the backend's resources) or :meth:`abort`; :meth:`poll` only
 reports. Tickets are small frozen values, the live backend handles stay inside the transport.
+
+A read may also hash what it landed (``hash_seed``): each page's content hash is taken on the
+thread that copied it, right after its bytes arrived, while they are still in that CPU's cache,
+and :meth:`wait` returns the digests. Hashing there costs about half of hashing the same pages
+after the whole read (they have left the cache by then). The transport only computes; the
+caller compares the digests with what the owner exported and decides what is trusted.
 """
 
 from __future__ import annotations
@@ -98,6 +104,8 @@ class TransferTicket:
     group: int
     num_pages: int
     nbytes: int
+    hash_seed: int | None = None
+    """Seed of the content hashes the read takes of the pages it landed; ``None``: none."""
 
 
 _TICKET_IDS = itertools.count(1)
@@ -213,11 +221,15 @@ class Transport(ABC):
         local_slots: Sequence[int],
         *,
         group: int = 0,
+        hash_seed: int | None = None,
     ) -> TransferTicket:
         """Start copying the peer's pages ``remote_slots[i]`` of layer group ``group`` into
         local ``local_slots[i]`` of the same group, all in one backend request. The local slots
-        must be reserved by the caller."""
-        return self.read_many(peer, [(remote_slots, local_slots)], group=group)[0]
+        must be reserved by the caller. With ``hash_seed``, the read also hashes every page it
+        landed with the pool's content hash keyed by that seed (see the module docstring)."""
+        return self.read_many(
+            peer, [(remote_slots, local_slots)], group=group, hash_seed=hash_seed
+        )[0]
 
     def read_many(
         self,
@@ -225,10 +237,13 @@ class Transport(ABC):
         parts: Sequence[tuple[Sequence[int], Sequence[int]]],
         *,
         group: int = 0,
+        hash_seed: int | None = None,
     ) -> list[TransferTicket]:
-        """:meth:`read` of several ``(remote_slots, local_slots)`` parts, one request and one
-        ticket each, queued together in order: a backend that copies on its own thread runs
-        them back to back, so the caller can verify part ``i`` while part ``i + 1`` lands.
+        """:meth:`read` of several ``(remote_slots, local_slots)`` parts, one ticket each (a
+        backend may split a part that hashes into requests of about
+        ``TransportConfig.hash_chunk_bytes``), queued together in order: a backend that
+        copies on its own thread runs them back to back, so the caller can seal part ``i``
+        while part ``i + 1`` lands.
         Every part is checked before any starts; no local slot may appear twice. If a part
         cannot start, none is left running."""
         if self._closed:
@@ -263,18 +278,33 @@ class Transport(ABC):
         named = sum(len(local) for _, local in lists)
         if len({s for _, local in lists for s in local}) != named:
             raise TransportConfigError("a local slot is named twice in one read")
+        if hash_seed is not None and (
+            isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or hash_seed < 0
+        ):
+            raise TransportConfigError(f"hash_seed must be an int >= 0, got {hash_seed!r}")
         tickets = [
-            TransferTicket(next(_TICKET_IDS), peer, group, len(local), len(local) * pool.page_bytes)
+            TransferTicket(
+                next(_TICKET_IDS),
+                peer,
+                group,
+                len(local),
+                len(local) * pool.page_bytes,
+                hash_seed,
+            )
             for _, local in lists
         ]
         self._start_many(tickets, info, lists)
         return tickets
 
-    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> None:
-        """Block until the read completes. On timeout or failure the backend request is
-        released (aborted) and :class:`TransferTimeoutError` / :class:`TransferFailedError`
-        raised; either way the ticket is settled."""
-        self._wait(ticket, self.config.timeout_s if timeout_s is None else timeout_s)
+    def wait(
+        self, ticket: TransferTicket, timeout_s: float | None = None
+    ) -> tuple[int, ...] | None:
+        """Block until the read completes; returns the landed pages' content hashes in the
+        order of its local slots when it was asked to hash (``hash_seed``), else ``None``. On
+        timeout or failure the backend request is released (aborted) and
+        :class:`TransferTimeoutError` / :class:`TransferFailedError` raised; either way the
+        ticket is settled."""
+        return self._wait(ticket, self.config.timeout_s if timeout_s is None else timeout_s)
 
     @abstractmethod
     def poll(self, ticket: TransferTicket) -> TransferState:
@@ -341,7 +371,15 @@ class Transport(ABC):
             raise
 
     @abstractmethod
-    def _wait(self, ticket: TransferTicket, timeout_s: float) -> None: ...
+    def _wait(self, ticket: TransferTicket, timeout_s: float) -> tuple[int, ...] | None:
+        """Settle the read; returns :meth:`_hash_landed` of its slots when it hashes."""
+
+    def _hash_landed(self, ticket: TransferTicket, local: Sequence[int]) -> tuple[int, ...] | None:
+        """The content hashes of local pages ``local`` of the ticket's group, if it hashes
+        (``None`` otherwise); a backend calls it where the bytes just landed."""
+        if ticket.hash_seed is None:
+            return None
+        return tuple(self.pool_of(ticket.group).hash_pages(local, ticket.hash_seed))
 
     def _close(self) -> None:
         return None

@@ -37,7 +37,7 @@ class LocalTransport(Transport):
         if name in _REGISTRY:
             raise TransportConfigError(f"a local transport named {name!r} exists in this process")
         _REGISTRY[name] = self
-        self._done: dict[int, TransferState] = {}
+        self._done: dict[int, tuple[TransferState, tuple[int, ...] | None]] = {}
 
     def _register(self, pools: tuple[BlockPool, ...]) -> None:
         return None
@@ -54,25 +54,26 @@ class LocalTransport(Transport):
     ) -> None:
         src = _REGISTRY.get(info.name)
         if src is None or len(src._pools) <= ticket.group:
-            self._done[ticket.id] = TransferState.FAILED
+            self._done[ticket.id] = (TransferState.FAILED, None)
             return
         # One gather and one scatter, whatever the number of pages.
         source = src._pools[ticket.group].data
         dst = self.pool_of(ticket.group).data
         rows = source.index_select(0, torch.tensor(remote, device=source.device))
         dst.index_copy_(0, torch.tensor(local, device=dst.device), rows.to(dst.device))
-        self._done[ticket.id] = TransferState.DONE
+        self._done[ticket.id] = (TransferState.DONE, self._hash_landed(ticket, local))
 
     def poll(self, ticket: TransferTicket) -> TransferState:
-        return self._done.get(ticket.id, TransferState.FAILED)
+        return self._done.get(ticket.id, (TransferState.FAILED, None))[0]
 
-    def _wait(self, ticket: TransferTicket, timeout_s: float) -> None:
-        state = self._done.pop(ticket.id, None)
+    def _wait(self, ticket: TransferTicket, timeout_s: float) -> tuple[int, ...] | None:
+        state, digests = self._done.pop(ticket.id, (None, None))
         if state is not TransferState.DONE:
             raise TransferFailedError(
                 f"local read {ticket.id} from {ticket.peer!r} failed: the peer transport is "
                 "gone or the ticket was already settled"
             )
+        return digests
 
     def abort(self, ticket: TransferTicket) -> bool:
         self._done.pop(ticket.id, None)

@@ -49,7 +49,8 @@ class RayObjectTransport(Transport):
         super().__init__(config, name=name)
         self._self_endpoint = endpoint
         self._refs: dict[int, tuple[Any, list[int]]] = {}
-        self._finished: dict[int, BaseException | None] = {}
+        self._finished: dict[int, BaseException | tuple[int, ...] | None] = {}
+        """Per settled read: its error, else its digests (``None`` when it does not hash)."""
 
     def _register(self, pools: tuple[BlockPool, ...]) -> None:
         return None
@@ -94,7 +95,7 @@ class RayObjectTransport(Transport):
         except GetTimeoutError:
             return False
         except Exception as e:  # RayActorError, RayTaskError, ObjectLostError...
-            err: BaseException | None = TransferFailedError(
+            err: BaseException | tuple[int, ...] | None = TransferFailedError(
                 f"Ray read {ticket.id} from {ticket.peer!r} failed: {type(e).__name__}: {e}"
             )
         else:
@@ -104,7 +105,7 @@ class RayObjectTransport(Transport):
                 err = TransferFailedError(f"peer {ticket.peer!r} answered with malformed pages")
             else:
                 scatter_rows(pool.data, local, rows)
-                err = None
+                err = self._hash_landed(ticket, local)
         del self._refs[ticket.id]
         self._finished[ticket.id] = err
         return True
@@ -118,9 +119,10 @@ class RayObjectTransport(Transport):
                 return TransferState.PENDING
         if ticket.id not in self._finished:
             raise TransportError(f"ticket {ticket.id} is unknown or already settled")
-        return TransferState.FAILED if self._finished[ticket.id] else TransferState.DONE
+        failed = isinstance(self._finished[ticket.id], BaseException)
+        return TransferState.FAILED if failed else TransferState.DONE
 
-    def _wait(self, ticket: TransferTicket, timeout_s: float) -> None:
+    def _wait(self, ticket: TransferTicket, timeout_s: float) -> tuple[int, ...] | None:
         if ticket.id in self._refs and not self._complete(ticket, timeout_s):
             self._refs.pop(ticket.id)
             raise TransferTimeoutError(
@@ -129,9 +131,10 @@ class RayObjectTransport(Transport):
             )
         if ticket.id not in self._finished:
             raise TransportError(f"ticket {ticket.id} is unknown or already settled")
-        err = self._finished.pop(ticket.id)
-        if err is not None:
-            raise err
+        outcome = self._finished.pop(ticket.id)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def abort(self, ticket: TransferTicket) -> bool:
         # Dropping the reference is enough: only this process copies into the slots.

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tessera_ray.core import content_seed, xxh3_128
 from tessera_ray.errors import TransportConfigError, TransportError
 from tessera_ray.transport import (
     FailureReason,
@@ -43,6 +44,8 @@ def _reserved(owner: Any, reader: Any, n: int) -> tuple[Any, ...]:
 
 class TransportConformance:
     KIND = ""
+    INLINE_READS: bool | None = None
+    """How the reader's NIXL transport runs reads (``nixl_inline_reads``; None: by CPUs)."""
 
     @classmethod
     def make_owner(cls, **kw: Any) -> Any:
@@ -50,7 +53,7 @@ class TransportConformance:
 
     @pytest.fixture
     def pair(self, owner: Any) -> Any:
-        reader = Node(self.KIND, unique(f"{self.KIND}-reader"))
+        reader = Node(self.KIND, unique(f"{self.KIND}-reader"), inline_reads=self.INLINE_READS)
         reader.add_peers([owner.peer_info()])
         yield owner, reader
         reader.close()
@@ -99,6 +102,26 @@ class TransportConformance:
         for t in tickets:
             reader.transport.wait(t, timeout_s=10)
         assert reader.read_pages(local) == data
+        owner.unpin(lease)
+
+    def test_a_hashing_read_returns_the_landed_pages_digests(self, pair: Any) -> None:
+        owner, reader = pair
+        lease, export, _, local, slots, remote = _reserved(owner, reader, 6)
+        seed = content_seed(export.namespace, reader.pool.fingerprint)
+        parts = [(remote[:4], slots[:4][::-1]), (remote[4:], slots[4:])]
+        tickets = reader.transport.read_many(export.peer, parts, hash_seed=seed)
+        got = [reader.transport.wait(t, timeout_s=10) for t in tickets]
+        # In the order of the local slots named (remote page i landed in the i-th), each equal
+        # to the hash the owner sealed that page with.
+        assert got[0] == tuple(export.content_hashes[:4])
+        assert got[1] == tuple(export.content_hashes[4:])
+        assert got[0] == tuple(
+            xxh3_128(memoryview(p), seed) for p in reader.read_pages(local[:4][::-1])
+        )
+        plain = reader.transport.read(export.peer, remote[:1], slots[:1])
+        assert reader.transport.wait(plain, timeout_s=10) is None  # not asked to hash
+        with pytest.raises(TransportConfigError, match="hash_seed"):
+            reader.transport.read(export.peer, remote[:1], slots[:1], hash_seed=-1)
         owner.unpin(lease)
 
     def test_read_many_checks_every_part_before_starting_any(self, pair: Any) -> None:
@@ -167,6 +190,20 @@ class TransportConformance:
             reader.transport.read(peer, [0, 1], [3, 3])
 
     # ---------------------------------------------------------------- verified fetch
+
+    def test_fetch_refuses_bad_reserved_pages_and_changes_nothing(self, pair: Any) -> None:
+        owner, reader = pair
+        lease, export, _ = owner.put(2)
+        sealed = fetch_verified(reader.transport, export, timeout_s=10).fetched[0].handle
+        mine = reader.pool.allocate_many(1)
+        before = reader.stats()
+        for bad in ([mine[0], sealed], [mine[0], mine[0]]):
+            with pytest.raises(TransportConfigError, match="distinct and writable"):
+                fetch_verified(reader.transport, export, local=bad, timeout_s=10)
+        assert reader.stats() == before  # nothing read, sealed or freed
+        reader.pool.release_many(mine)
+        reader.drop([sealed])
+        owner.unpin(lease)
 
     def test_fetch_verifies_seals_and_dedups(self, pair: Any) -> None:
         owner, reader = pair

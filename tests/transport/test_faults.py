@@ -1,11 +1,12 @@
-"""Faults, each from a test-only subclass (no hook in production code): bytes corrupted after
-the READ lands, a NIXL transfer that never completes, a Ray owner too slow to answer. Plus the
-rule that a fetch registers nothing and makes one request however many pages it reads."""
+"""Faults, each from a test-only subclass (no hook in production code): bytes corrupted as the
+READ lands them, a NIXL transfer that never completes, a Ray owner too slow to answer. Plus the
+rule that a fetch registers nothing and makes one request per ``hash_chunk_bytes`` however many
+pages it reads."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -26,7 +27,8 @@ from .conformance import unique
 
 
 class CorruptingNixlTransport(NixlTransport):
-    """Flips one byte of the first page of every read after it lands, like a bad link."""
+    """Flips one byte of the first page of every read as its first request lands, like a bad
+    link: before anything (the transport's own hashing included) reads the bytes."""
 
     def _start_many(
         self,
@@ -38,17 +40,20 @@ class CorruptingNixlTransport(NixlTransport):
         self._first_slot = {**getattr(self, "_first_slot", {}), **first}
         super()._start_many(tickets, info, lists)
 
-    def _wait(self, ticket: TransferTicket, timeout_s: float) -> None:
-        super()._wait(ticket, timeout_s)
-        self.pool.data[self._first_slot.pop(ticket.id), 1234] ^= 0x40
+    def _run_one(self, ticket: TransferTicket, *args: Any) -> tuple[TransferState, bool]:
+        state, released = super()._run_one(ticket, *args)
+        slot = self._first_slot.pop(ticket.id, None)
+        if slot is not None:
+            self.pool.data[slot, 1234] ^= 0x40
+        return state, released
 
 
 class CorruptingLocalTransport(LocalTransport):
-    def _start(
-        self, ticket: TransferTicket, info: PeerInfo, remote: list[int], local: list[int]
-    ) -> None:
-        super()._start(ticket, info, remote, local)
+    """Flips a byte of the first page of every copy before the copy's pages are hashed."""
+
+    def _hash_landed(self, ticket: TransferTicket, local: Sequence[int]) -> tuple[int, ...] | None:
         self.pool.data[local[0], 7] ^= 0x01
+        return super()._hash_landed(ticket, local)
 
 
 class StuckNixlTransport(NixlTransport):
@@ -56,7 +61,7 @@ class StuckNixlTransport(NixlTransport):
 
     released = 0
 
-    def _state(self, handle: Any) -> TransferState:
+    def _state(self, handle: Any, posted: str | None = None) -> TransferState:
         return TransferState.PENDING
 
     def _settle(self, ticket_id: int) -> bool:
@@ -90,9 +95,10 @@ def nixl_owner() -> Iterator[Node]:
 @pytest.mark.parametrize(
     "kind,cls", [("nixl", CorruptingNixlTransport), ("local", CorruptingLocalTransport)]
 )
-def test_corrupted_bytes_are_caught_and_not_installed(kind: str, cls: type) -> None:
+@pytest.mark.parametrize("inline", [True, False])
+def test_corrupted_bytes_are_caught_and_not_installed(kind: str, cls: type, inline: bool) -> None:
     owner = Node(kind, unique("corrupt-owner"))
-    reader = Node(kind, unique("corrupt-reader"), transport_cls=cls)
+    reader = Node(kind, unique("corrupt-reader"), transport_cls=cls, inline_reads=inline)
     reader.add_peers([owner.peer_info()])
     lease, export, data = owner.put(5)
     free0 = reader.stats().pages_free
@@ -112,8 +118,11 @@ def test_corrupted_bytes_are_caught_and_not_installed(kind: str, cls: type) -> N
     owner.close()
 
 
-def test_stuck_nixl_transfer_times_out_and_returns_slots(nixl_owner: Node) -> None:
-    reader = Node("nixl", unique("stuck-reader"), transport_cls=StuckNixlTransport)
+@pytest.mark.parametrize("inline", [True, False])
+def test_stuck_nixl_transfer_times_out_and_returns_slots(nixl_owner: Node, inline: bool) -> None:
+    reader = Node(
+        "nixl", unique("stuck-reader"), transport_cls=StuckNixlTransport, inline_reads=inline
+    )
     reader.add_peers([nixl_owner.peer_info()])
     lease, export, _ = nixl_owner.put(4)
     free0 = reader.stats().pages_free
@@ -193,9 +202,63 @@ def test_fetch_registers_nothing_and_makes_one_request(nixl_owner: Node) -> None
     reader.close()
 
 
-def test_uncancellable_transfer_withholds_its_slots(nixl_owner: Node) -> None:
+def test_a_hashing_read_is_one_request_per_hash_chunk(nixl_owner: Node) -> None:
+    """A read that hashes is posted in requests of about hash_chunk_bytes (each hashed as it
+    completes); with hash_chunk_bytes=0 it is one request again."""
+    for hash_chunk, requests in ((2 * 4096, 4), (0, 1)):  # 7 pages: 2 + 2 + 2 + 1, or all
+        reader = Node("nixl", unique("hash-chunk-reader"), hash_chunk_bytes=hash_chunk)
+        reader.add_peers([nixl_owner.peer_info()])
+        counting = _Counting(reader.transport._agent)  # type: ignore[attr-defined]
+        reader.transport._agent = counting  # type: ignore[attr-defined]
+        lease, export, data = nixl_owner.put(7)
+        res = fetch_verified(reader.transport, export, timeout_s=10)
+        assert res.ok and reader.read_pages([f.handle for f in res.fetched]) == data
+        assert counting.calls.get("make_prepped_xfer") == requests
+        assert counting.calls.get("release_xfer_handle") == requests
+        nixl_owner.unpin(lease)
+        reader.close()
+
+
+def test_corruption_in_a_later_hash_chunk_is_caught(nixl_owner: Node) -> None:
+    """A byte flipped as the third request of a read lands fails that page only."""
+
+    class CorruptThirdRequest(NixlTransport):
+        seen = 0
+
+        def _run_one(self, ticket: TransferTicket, *args: Any) -> tuple[TransferState, bool]:
+            state, released = super()._run_one(ticket, *args)
+            CorruptThirdRequest.seen += 1
+            if CorruptThirdRequest.seen == 3:
+                slot = args[0][0]  # the request's first local descriptor: group 0, its slot
+                self.pool.data[slot, 99] ^= 0x10
+            return state, released
+
+    reader = Node(
+        "nixl",
+        unique("late-corrupt"),
+        hash_chunk_bytes=2 * 4096,
+        transport_cls=CorruptThirdRequest,
+    )
+    reader.add_peers([nixl_owner.peer_info()])
+    lease, export, data = nixl_owner.put(7)
+    res = fetch_verified(reader.transport, export, timeout_s=10)
+    assert [(f.position, f.reason) for f in res.failed] == [(4, FailureReason.HASH_MISMATCH)]
+    assert [f.position for f in res.fetched] == [0, 1, 2, 3, 5, 6]
+    kept = [data[i] for i in (0, 1, 2, 3, 5, 6)]
+    assert reader.read_pages([f.handle for f in res.fetched]) == kept
+    nixl_owner.unpin(lease)
+    reader.close()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_uncancellable_transfer_withholds_its_slots(nixl_owner: Node, inline: bool) -> None:
     """Slots a late write could still reach are neither freed nor sealed, and counted."""
-    reader = Node("nixl", unique("uncancellable-reader"), transport_cls=UncancellableNixlTransport)
+    reader = Node(
+        "nixl",
+        unique("uncancellable-reader"),
+        transport_cls=UncancellableNixlTransport,
+        inline_reads=inline,
+    )
     reader.add_peers([nixl_owner.peer_info()])
     lease, export, _ = nixl_owner.put(3)
     free0 = reader.stats().pages_free
@@ -237,9 +300,11 @@ class FailSecondReadNixlTransport(NixlTransport):
         self._doomed = tickets[1].id if len(tickets) > 1 else None
         super()._start_many(tickets, info, lists)
 
-    def _run(self, ticket: TransferTicket, *args: Any) -> tuple[TransferState, bool]:
+    def _run(
+        self, ticket: TransferTicket, *args: Any
+    ) -> tuple[TransferState, bool, tuple[int, ...] | None]:
         if ticket.id == self._doomed:
-            return TransferState.FAILED, True
+            return TransferState.FAILED, True, None
         return super()._run(ticket, *args)
 
 
@@ -247,7 +312,7 @@ CHUNK = 3 * 4096  # three pages per read
 
 
 def test_chunked_fetch_is_one_request_per_chunk(nixl_owner: Node) -> None:
-    reader = Node("nixl", unique("chunk-reader"), fetch_chunk_bytes=CHUNK)
+    reader = Node("nixl", unique("chunk-reader"), fetch_chunk_bytes=CHUNK, inline_reads=False)
     reader.add_peers([nixl_owner.peer_info()])
     counting = _Counting(reader.transport._agent)  # type: ignore[attr-defined]
     reader.transport._agent = counting  # type: ignore[attr-defined]
@@ -264,6 +329,7 @@ def test_corruption_is_caught_per_chunk(nixl_owner: Node) -> None:
         "nixl",
         unique("chunk-corrupt"),
         fetch_chunk_bytes=CHUNK,
+        inline_reads=False,
         transport_cls=CorruptingNixlTransport,
     )
     reader.add_peers([nixl_owner.peer_info()])
@@ -284,6 +350,7 @@ def test_failure_between_chunks_keeps_verified_pages_and_returns_the_rest(
         "nixl",
         unique("chunk-fail"),
         fetch_chunk_bytes=CHUNK,
+        inline_reads=False,
         transport_cls=FailSecondReadNixlTransport,
     )
     reader.add_peers([nixl_owner.peer_info()])
