@@ -9,11 +9,11 @@ bytes, and ran about a fifth faster for it):
 
 - ``fetch_full_path``: ask the owner to look the pages up by token key and pin them (one
   request on the tier's pin channel, ``actors/channel.py``, answered on the owner's own event
-  loop) and reserve the reader's slots while it answers, NIXL READs into them (on a reader
-  with fewer than 4 CPUs on the waiting thread, in requests of 512 KiB,
-  ``TransportConfig.hash_chunk_bytes``, each request's pages hashed as soon as it lands, still
-  in cache), compare every page's content hash with the export, seal; the unpin is sent
-  without waiting, as a pool actor does.
+  loop) and reserve the reader's slots while it answers; NIXL READs into them on the
+  transport's I/O thread, in requests of 512 KiB (``TransportConfig.hash_chunk_bytes``), each
+  request's pages hashed there as soon as it lands, still in that core's cache; compare every
+  page's content hash with the export, seal; the unpin is sent without waiting, as a pool
+  actor does.
 - ``raw_nixl_read``: the same bytes and slots with NIXL alone (own agents, prepared lists, one
   request, busy completion check): the ceiling. Target ratio >= 0.6.
 - ``ray_object_store``: the owner returns the pages through the object store and the reader
@@ -21,14 +21,16 @@ bytes, and ran about a fifth faster for it):
 - ``memcpy``: the same bytes copied within the reader's process. Reported.
 
 More rows split the full path: ``fetch_owner_call`` (the owner's lookup + pin + export over
-the channel, with the reader's reservation beside it, ms), ``fetch_owner_call_ray`` and ``fetch_full_path_ray_pin`` (the same with the
-pin as a Ray actor call, what a pool without a channel does), ``actor_noop_call`` (the same
-actors' round trip for a method that does nothing, ms: Ray's floor) and
-``fetch_read_verify_seal`` (the reader's part, GB/s). ``nixl_transfer_call`` is the time spent
-inside NIXL's ``transfer()`` call of the raw READ: the Python binding copies there, on the
-calling thread. ``read_while_hashing`` runs a raw READ on a kept thread while this one hashes
-as many other bytes: on this VM they take nearly the sum of both apart, while a hash in a
-separate process mostly overlaps the READ (``probe_nixl_overlap.py``).
+the channel, the reader's reservation beside it, ms), ``fetch_owner_call_ray`` and
+``fetch_full_path_ray_pin`` (the same with the pin as a Ray actor call, what a pool without a
+channel does), ``actor_noop_call`` (the same actors' round trip for a method that does
+nothing, ms: Ray's floor), ``fetch_read_verify_seal`` (the reader's part, GB/s) and
+``verified_read_floor`` (raw READs in the same requests, each one's pages hashed as it lands,
+nothing else: the most any verified fetch reaches here). ``nixl_transfer_call`` is the time
+spent inside NIXL's ``transfer()`` call of the raw READ: the Python binding copies there, on
+the calling thread. ``read_while_hashing`` runs a raw READ on a kept thread while this one
+hashes as many other bytes: on this VM they take nearly the sum of both apart, while a hash in
+a separate process mostly overlaps the READ (``probe_nixl_overlap.py``).
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class BenchNode:
         import ray
         import xxhash
 
+        from tessera_ray.core import content_seed
         from tessera_ray.transport import fetch_verified
         from tessera_ray.transport._rows import scatter_rows
 
@@ -175,6 +178,7 @@ class BenchNode:
             "read_verify_seal": [],
             "noop": [],
             "hash": [],
+            "verified_read_floor": [],
             "read_while_hashing": [],
             "transfer_call": [],
         }
@@ -184,11 +188,9 @@ class BenchNode:
             for row in rows_src:
                 xxhash.xxh3_128_intdigest(row, 1)
 
-        def raw_read(local: list[int]) -> float:
+        def raw_read(local: list[int], remote: list[int] = remote_slots) -> float:
             """One raw READ; returns the seconds spent inside ``transfer()`` alone."""
-            h = self.raw.make_prepped_xfer(
-                "READ", self.raw_local, local, self.raw_remote, remote_slots
-            )
+            h = self.raw.make_prepped_xfer("READ", self.raw_local, local, self.raw_remote, remote)
             t = time.perf_counter()
             state = self.raw.transfer(h)
             in_call = time.perf_counter() - t
@@ -197,6 +199,16 @@ class BenchNode:
             assert state == "DONE"
             self.raw.release_xfer_handle(h)
             return in_call
+
+        seed = content_seed(self.namespace, pool.fingerprint)
+        step = max(1, self.transport.config.hash_chunk_bytes // pool.page_bytes)
+
+        def hashed_read(local: list[int]) -> None:
+            """The least a verified read does: raw READs in the transport's request size, each
+            request's pages hashed as soon as it lands (no bookkeeping, no owner)."""
+            for a in range(0, n, step):
+                raw_read(local[a : a + step], remote_slots[a : a + step])
+                pool.hash_pages(local[a : a + step], seed)
 
         from tessera_ray.actors.channel import ChannelClient
 
@@ -259,6 +271,11 @@ class BenchNode:
 
             cold()
             t = time.perf_counter()
+            io.submit(hashed_read, local).result()  # on a kept thread, as the transport's
+            floor = time.perf_counter() - t
+
+            cold()
+            t = time.perf_counter()
             hash_all()
             hashing = time.perf_counter() - t
 
@@ -294,6 +311,7 @@ class BenchNode:
                 parts["read_verify_seal"].append(t_fetch - t_call)
                 parts["noop"].append(noop)
                 parts["hash"].append(hashing)
+                parts["verified_read_floor"].append(floor)
                 parts["read_while_hashing"].append(overlapped)
                 parts["transfer_call"].append(transfer_call)
         nbytes = n * pool.page_bytes
@@ -409,20 +427,17 @@ def main() -> None:
                 f"the owner's lookup + pin + export over the channel takes "
                 f"{r['owner_call_ms']:.1f} ms of the {nbytes / r['full'] / 1e6:.1f} ms batch "
                 f"(as a Ray actor call {r['owner_call_ray_ms']:.1f} ms; a Ray call doing "
-                f"nothing {r['noop_ms']:.1f} ms), against {raw_ms:.1f} ms "
-                f"for the whole raw READ; and the reader's part (READ + hash every page + "
-                f"seal) runs at "
-                f"{nbytes / r['read_verify_seal_ms'] / 1e6 / r['raw']:.2f} of raw NIXL READ: "
-                f"a READ and hashing as many bytes on two threads of one process take "
-                f"{r['read_while_hashing_ms']:.1f} ms together against "
-                f"{raw_ms:.1f} + {r['hash_ms']:.1f} ms apart (row "
-                f"read_while_hashing_{label}; NIXL's binding copies inside transfer(), "
-                f"{r['transfer_call_ms']:.1f} ms, row nixl_transfer_call_{label}), so on this "
-                f"2-core VM verifying costs most of the hash (a hash in a separate process "
-                f"lets the READ run on, but is itself slowed about 2x: "
-                f"benchmarks/probe_nixl_overlap.py). READ then hash with nothing else would "
-                f"reach about {raw_ms / (raw_ms + r['hash_ms']):.2f} of raw in this run, "
-                f"before any owner round trip"
+                f"nothing {r['noop_ms']:.1f} ms), against {raw_ms:.1f} ms for the whole raw "
+                f"READ; and the reader's part (READ, hash every page as it lands, seal) runs "
+                f"at {nbytes / r['read_verify_seal_ms'] / 1e6 / r['raw']:.2f} of raw NIXL READ, "
+                f"with its floor, the READ and its hashing alone, at "
+                f"{raw_ms / r['verified_read_floor_ms']:.2f} (row verified_read_floor_{label}): "
+                f"on this 2-core VM a hash does not overlap a READ (two threads take "
+                f"{r['read_while_hashing_ms']:.1f} ms against {raw_ms:.1f} + "
+                f"{r['hash_ms']:.1f} ms apart, row read_while_hashing_{label}; a hash in "
+                f"another process is itself slowed about 2x, probe_nixl_overlap.py), so "
+                f"verifying costs a pass over the bytes after the copy before any owner round "
+                f"trip or bookkeeping"
             )
 
             rows += [
@@ -476,6 +491,17 @@ def main() -> None:
                     baseline_value=r["raw"],
                     note=f"{note}; the full path with the pin as a Ray actor call (a pool "
                     "without a channel)",
+                ),
+                _vs_raw(
+                    r,
+                    nbytes,
+                    label,
+                    note,
+                    f"verified_read_floor_{label}",
+                    "verified_read_floor_ms",
+                    "raw READs in requests of hash_chunk_bytes on a kept thread, each request's "
+                    "pages hashed as soon as it lands, nothing else: what any verified fetch "
+                    "could reach here",
                 ),
                 _vs_raw(
                     r,

@@ -41,16 +41,10 @@ class TransportConfig:
     """A NIXL read that hashes what it lands (every verified fetch from a host pool) is posted
     as requests of about this many bytes, each page hashed right after its request completes,
     on the I/O thread that copied it, while the bytes are still in that core's cache (L2 is
-    1 MiB per core here). Over 256 MLA pages that hashing cost about half of hashing after one
-    whole read (``benchmarks/bench_transport.py``, rows ``fetch_read_verify_seal``); extra
-    requests cost a few microseconds each. 0 posts each part as one request."""
-    nixl_inline_reads: bool | None = None
-    """Run NIXL reads on the thread that waits for them (at :meth:`Transport.wait`) instead of
-    the transport's I/O thread. ``None`` picks by the CPUs this process may use
-    (:attr:`inline_reads`): inline below 4. With 2 cores a read on the I/O thread overlapped
-    nothing and cost its hand-offs, and its pages were hashed in another core's cache than the
-    one that seals them: a verified fetch of 256 MLA pages took 2.8 ms against 2.2 ms inline
-    (``benchmarks/probe_fetch_inline.py``)."""
+    1 MiB per core here; after one 18 MB request they have left it). A verified fetch of 256
+    MLA pages ran at 0.43-0.51 of a raw READ with 512 KiB requests against 0.41-0.48 with one
+    request, in 6 interleaved runs (``benchmarks/probe_fetch_hashing.py``); 256 KiB did worse
+    (more requests), 1-2 MiB about as well. 0 posts each part as one request."""
     nixl_progress_delay_us: int = 200
     """Pause of the NIXL progress thread between two progress calls. NIXL's Python API starts
     it at 0, which spins one core per agent even when idle: on a 2-core node with three pools
@@ -83,10 +77,6 @@ class TransportConfig:
             raise TransportConfigError(
                 f"hash_chunk_bytes must be an int >= 0, got {self.hash_chunk_bytes!r}"
             )
-        if self.nixl_inline_reads is not None and not isinstance(self.nixl_inline_reads, bool):
-            raise TransportConfigError(
-                f"nixl_inline_reads must be a bool or None, got {self.nixl_inline_reads!r}"
-            )
         chunk = self.fetch_chunk_bytes
         if chunk is not None:
             if isinstance(chunk, bool) or not isinstance(chunk, int):
@@ -116,18 +106,11 @@ class TransportConfig:
             return self.fetch_chunk_bytes
         return AUTO_CHUNK_BYTES if usable_cpus() >= AUTO_CHUNK_MIN_CPUS else 0
 
-    @property
-    def inline_reads(self) -> bool:
-        """``nixl_inline_reads``, with ``None`` resolved for the CPUs this process may use."""
-        if self.nixl_inline_reads is not None:
-            return self.nixl_inline_reads
-        return usable_cpus() < AUTO_CHUNK_MIN_CPUS
-
 
 AUTO_CHUNK_BYTES = 4 << 20
 AUTO_CHUNK_MIN_CPUS = 4
-"""Below it a fetch reads in one part, on the thread that waits for it: the copy, the progress
-thread and the sealing would share too few cores for a split read to overlap anything."""
+"""Below it a fetch reads in one request: the copy, the progress thread and the hashing
+would share too few cores for a split read to overlap anything."""
 
 
 def usable_cpus() -> int:

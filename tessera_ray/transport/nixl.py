@@ -12,18 +12,12 @@ Every agent call runs on one I/O thread of the transport. Over UCX's cma transpo
 on one host) the copy happens inside the posting call, with the GIL released; on the I/O thread
 it proceeds while the caller seals pages that already landed, and one thread keeps the agent
 single-threaded (its default, lock-free sync mode). A read that hashes is posted in requests of
-``TransportConfig.hash_chunk_bytes``, and each one's pages are hashed as soon as it completes,
-on the thread that copied them, while they are still in its core's cache.
-
-With few CPUs (``TransportConfig.inline_reads``) reads run instead on the thread that waits for
-them, inside :meth:`wait` (or a :meth:`poll`): there is no core to overlap with, and the hashed
-pages are then in the cache of the core that seals them. Reads wait there in the order they
-were queued; every agent call, on either thread, is taken under one lock.
+``TransportConfig.hash_chunk_bytes``, and the I/O thread hashes each one's pages as soon as it
+completes, while they are still in its core's cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -158,9 +152,6 @@ class NixlTransport(Transport):
 
     def __init__(self, config: TransportConfig, *, name: str) -> None:
         super().__init__(config, name=name)
-        self._inline = config.inline_reads
-        if self._inline:  # reads run in the caller's wait: nothing overlaps the caller
-            self.capabilities = dataclasses.replace(self.capabilities, overlaps_caller=False)
         nixl_agent, nixl_agent_config = import_nixl()
         try:
             self._agent = _new_agent(
@@ -188,21 +179,14 @@ class NixlTransport(Transport):
         self._local_offsets: list[int] = []
         self._remote: dict[str, Any] = {}
         self._remote_offsets: dict[str, list[int]] = {}
-        self._xfers: dict[int, Any] = {}  # under _agent_lock (the I/O thread's, if not inline)
+        self._xfers: dict[int, Any] = {}  # I/O thread only
         self._jobs: dict[int, _Job] = {}
-        self._deferred: dict[int, tuple[Any, _Item]] = {}
-        """Inline mode: queued reads not run yet, with their peer's prepared list."""
-        self._agent_lock = threading.Lock()
         self._mem_type = "DRAM"
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-io-{name}")
 
     def _on_io(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the I/O thread and return its result (keeps the agent single-threaded)."""
-        return self._io.submit(self._locked, fn).result()
-
-    def _locked(self, fn: Callable[[], T]) -> T:
-        with self._agent_lock:
-            return fn()
+        return self._io.submit(fn).result()
 
     def _register(self, pools: tuple[BlockPool, ...]) -> None:
         self._on_io(lambda: self._register_io(pools))
@@ -280,7 +264,7 @@ class NixlTransport(Transport):
         group = tickets[0].group
         lo = self._local_offsets[group]
         ro = self._remote_offsets[info.name][group]
-        items = [
+        items: list[_Item] = [
             (
                 _Job(Future(), threading.Event()),
                 t,
@@ -290,44 +274,24 @@ class NixlTransport(Transport):
             )
             for t, (remote, local) in zip(tickets, lists, strict=True)
         ]
-        remote_dlist = self._remote[info.name]
-        if self._inline:
-            for item in items:
-                self._deferred[item[1].id] = (remote_dlist, item)
-        else:
-            try:
-                self._io.submit(self._run_many, remote_dlist, items)
-            except RuntimeError as e:  # the executor is shut down: the transport is closing
-                raise TransportError(f"transport {self.name!r} is closing: {e}") from e
+        try:
+            self._io.submit(self._run_many, self._remote[info.name], items)
+        except RuntimeError as e:  # the executor is shut down: the transport is closing
+            raise TransportError(f"transport {self.name!r} is closing: {e}") from e
         for job, ticket, _, _, _ in items:
             self._jobs[ticket.id] = job
 
-    def _run_many(
-        self, remote_dlist: Any, items: list[_Item], deadline: float | None = None
-    ) -> None:
-        """Run queued reads in order (on the I/O thread, or inline past ``deadline`` at most);
-        an aborted one is skipped untouched."""
+    def _run_many(self, remote_dlist: Any, items: list[_Item]) -> None:
+        """I/O thread: run queued reads in order; an aborted one is skipped untouched."""
         for job, ticket, slots, local, remote in items:
             if not job.future.set_running_or_notify_cancel():
                 continue
             try:
                 job.future.set_result(
-                    self._run(ticket, slots, local, remote_dlist, remote, job.cancel, deadline)
+                    self._run(ticket, slots, local, remote_dlist, remote, job.cancel)
                 )
             except BaseException as e:  # settles the ticket; its waiter raises it
                 job.future.set_exception(e)
-
-    def _run_deferred(self, ticket: TransferTicket, timeout_s: float) -> None:
-        """Inline mode: run the reads queued before ``ticket``'s, then its own, here."""
-        if ticket.id not in self._deferred:
-            return
-        deadline = time.monotonic() + timeout_s
-        for tid in list(self._deferred):
-            remote_dlist, item = self._deferred.pop(tid)
-            with self._agent_lock:
-                self._run_many(remote_dlist, [item], deadline)
-            if tid == ticket.id:
-                return
 
     def _run(
         self,
@@ -337,25 +301,21 @@ class NixlTransport(Transport):
         remote_dlist: Any,
         remote: list[int],
         cancel: threading.Event,
-        deadline: float | None = None,
     ) -> tuple[TransferState, bool, tuple[int, ...] | None]:
-        """One read, in requests of ``hash_chunk_bytes`` when it hashes, each request's pages
-        (local ``slots``, descriptors ``local``) hashed as soon as it is done; returns (state,
-        released, digests). A request that fails ends the read there; one still running at
-        ``deadline`` is cancelled and reported ``PENDING`` (timed out)."""
+        """I/O thread: one read, in requests of ``hash_chunk_bytes`` when it hashes, each
+        request's pages (local ``slots``, descriptors ``local``) hashed as soon as it is done;
+        returns (state, released, digests). A request that fails ends the read there."""
         step = len(local)
         if ticket.hash_seed is not None and self.config.hash_chunk_bytes:
-            page_bytes = ticket.nbytes // max(ticket.num_pages, 1)
-            step = max(1, self.config.hash_chunk_bytes // page_bytes)
+            step = max(1, self.config.hash_chunk_bytes // self.pool_of(ticket.group).page_bytes)
         digests: list[int] = []
         for a in range(0, len(local), step):
             state, released = self._run_one(
-                ticket, local[a : a + step], remote_dlist, remote[a : a + step], cancel, deadline
+                ticket, local[a : a + step], remote_dlist, remote[a : a + step], cancel
             )
             if state is not TransferState.DONE:
                 return state, released, None
-            if ticket.hash_seed is not None:
-                digests += self._hash_landed(ticket, slots[a : a + step]) or ()
+            digests += self._hash_landed(ticket, slots[a : a + step]) or ()
         return TransferState.DONE, True, tuple(digests) if ticket.hash_seed is not None else None
 
     def _run_one(
@@ -365,11 +325,9 @@ class NixlTransport(Transport):
         remote_dlist: Any,
         remote: list[int],
         cancel: threading.Event,
-        deadline: float | None = None,
     ) -> tuple[TransferState, bool]:
-        """Build, post and watch one request until it settles; returns (state, released).
-        Cancelled before it started, it never touches the slots; past ``deadline`` it is
-        released and reported ``PENDING``."""
+        """I/O thread: build, post and watch one request until it settles; returns (state,
+        released). Cancelled before it started, it never touches the slots."""
         if cancel.is_set():
             return TransferState.FAILED, True
         try:
@@ -391,8 +349,6 @@ class NixlTransport(Transport):
                 released = self._settle(ticket.id)
                 return (TransferState.FAILED if state is TransferState.PENDING else state), released
             checks += 1
-            if deadline is not None and checks > _SPINS and time.monotonic() > deadline:
-                return TransferState.PENDING, self._settle(ticket.id)  # timed out, cancelled
             if checks > _SPINS:
                 # No blocking wait exists in NIXL's Python API; back off so a slow transfer
                 # leaves the CPU to the progress thread.
@@ -418,17 +374,10 @@ class NixlTransport(Transport):
 
     def poll(self, ticket: TransferTicket) -> TransferState:
         job = self._job(ticket)
-        # Inline, nobody else would ever run it: the poll does (within the default timeout).
-        self._run_deferred(ticket, self.config.timeout_s)
-        if not job.future.done():
-            return TransferState.PENDING
-        state = job.future.result()[0]
-        # An inline read cut off by its deadline reads PENDING but is over: a failed read.
-        return TransferState.FAILED if state is TransferState.PENDING else state
+        return job.future.result()[0] if job.future.done() else TransferState.PENDING
 
     def _wait(self, ticket: TransferTicket, timeout_s: float) -> tuple[int, ...] | None:
         job = self._job(ticket)
-        self._run_deferred(ticket, timeout_s)
         try:
             state, released, digests = job.future.result(timeout=timeout_s)
         except FutureTimeout:
@@ -440,14 +389,6 @@ class NixlTransport(Transport):
                 self._cancel(ticket.id),
             ) from None
         del self._jobs[ticket.id]
-        if state is TransferState.PENDING:  # an inline read that ran out of time
-            raise _failed(
-                TransferTimeoutError(
-                    f"NIXL read {ticket.id} of {ticket.num_pages} pages from {ticket.peer!r} "
-                    f"did not finish within {timeout_s} s; it was aborted"
-                ),
-                released,
-            )
         if state is not TransferState.DONE:
             raise _failed(
                 TransferFailedError(
@@ -466,7 +407,6 @@ class NixlTransport(Transport):
     def _cancel(self, ticket_id: int) -> bool:
         """Settle a job; True when no byte of it can land any more."""
         job = self._jobs.pop(ticket_id)
-        self._deferred.pop(ticket_id, None)  # inline and not run yet: it never will be
         job.cancel.set()
         if job.future.cancel():
             return True

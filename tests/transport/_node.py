@@ -61,7 +61,6 @@ class Node:
         timeout_s: float = 5.0,
         fetch_chunk_bytes: int = 4 << 20,
         hash_chunk_bytes: int = 512 << 10,
-        inline_reads: bool | None = None,
         in_actor: bool = False,
         transport_cls: type[Transport] | None = None,
     ) -> None:
@@ -73,7 +72,6 @@ class Node:
             timeout_s=timeout_s,
             fetch_chunk_bytes=fetch_chunk_bytes,
             hash_chunk_bytes=hash_chunk_bytes,
-            nixl_inline_reads=inline_reads,
         )
         endpoint = None
         if in_actor:

@@ -44,8 +44,6 @@ def _reserved(owner: Any, reader: Any, n: int) -> tuple[Any, ...]:
 
 class TransportConformance:
     KIND = ""
-    INLINE_READS: bool | None = None
-    """How the reader's NIXL transport runs reads (``nixl_inline_reads``; None: by CPUs)."""
 
     @classmethod
     def make_owner(cls, **kw: Any) -> Any:
@@ -53,7 +51,7 @@ class TransportConformance:
 
     @pytest.fixture
     def pair(self, owner: Any) -> Any:
-        reader = Node(self.KIND, unique(f"{self.KIND}-reader"), inline_reads=self.INLINE_READS)
+        reader = Node(self.KIND, unique(f"{self.KIND}-reader"))
         reader.add_peers([owner.peer_info()])
         yield owner, reader
         reader.close()

@@ -1,5 +1,5 @@
-"""The conformance class run over every transport: in-process local and NIXL (reads inline and
-on the I/O thread), and Ray and NIXL with the owner in a Ray actor (another process, real UCX)."""
+"""The conformance class run over every transport: in-process local and NIXL, and Ray and NIXL
+with the owner in a Ray actor (another process, real UCX)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,7 @@ class TestLocalTransport(TransportConformance):
 
 
 class TestNixlTransportInProcess(TransportConformance):
-    """Reads run inside the reader's wait (the default below 4 CPUs)."""
-
     KIND = "nixl"
-    INLINE_READS = True
-
-
-class TestNixlTransportIOThread(TransportConformance):
-    """Reads run on the transport's I/O thread (the default with 4 CPUs or more)."""
-
-    KIND = "nixl"
-    INLINE_READS = False
 
 
 @pytest.mark.ray

@@ -95,10 +95,9 @@ def nixl_owner() -> Iterator[Node]:
 @pytest.mark.parametrize(
     "kind,cls", [("nixl", CorruptingNixlTransport), ("local", CorruptingLocalTransport)]
 )
-@pytest.mark.parametrize("inline", [True, False])
-def test_corrupted_bytes_are_caught_and_not_installed(kind: str, cls: type, inline: bool) -> None:
+def test_corrupted_bytes_are_caught_and_not_installed(kind: str, cls: type) -> None:
     owner = Node(kind, unique("corrupt-owner"))
-    reader = Node(kind, unique("corrupt-reader"), transport_cls=cls, inline_reads=inline)
+    reader = Node(kind, unique("corrupt-reader"), transport_cls=cls)
     reader.add_peers([owner.peer_info()])
     lease, export, data = owner.put(5)
     free0 = reader.stats().pages_free
@@ -118,11 +117,8 @@ def test_corrupted_bytes_are_caught_and_not_installed(kind: str, cls: type, inli
     owner.close()
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_stuck_nixl_transfer_times_out_and_returns_slots(nixl_owner: Node, inline: bool) -> None:
-    reader = Node(
-        "nixl", unique("stuck-reader"), transport_cls=StuckNixlTransport, inline_reads=inline
-    )
+def test_stuck_nixl_transfer_times_out_and_returns_slots(nixl_owner: Node) -> None:
+    reader = Node("nixl", unique("stuck-reader"), transport_cls=StuckNixlTransport)
     reader.add_peers([nixl_owner.peer_info()])
     lease, export, _ = nixl_owner.put(4)
     free0 = reader.stats().pages_free
@@ -250,15 +246,9 @@ def test_corruption_in_a_later_hash_chunk_is_caught(nixl_owner: Node) -> None:
     reader.close()
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_uncancellable_transfer_withholds_its_slots(nixl_owner: Node, inline: bool) -> None:
+def test_uncancellable_transfer_withholds_its_slots(nixl_owner: Node) -> None:
     """Slots a late write could still reach are neither freed nor sealed, and counted."""
-    reader = Node(
-        "nixl",
-        unique("uncancellable-reader"),
-        transport_cls=UncancellableNixlTransport,
-        inline_reads=inline,
-    )
+    reader = Node("nixl", unique("uncancellable-reader"), transport_cls=UncancellableNixlTransport)
     reader.add_peers([nixl_owner.peer_info()])
     lease, export, _ = nixl_owner.put(3)
     free0 = reader.stats().pages_free
@@ -312,7 +302,7 @@ CHUNK = 3 * 4096  # three pages per read
 
 
 def test_chunked_fetch_is_one_request_per_chunk(nixl_owner: Node) -> None:
-    reader = Node("nixl", unique("chunk-reader"), fetch_chunk_bytes=CHUNK, inline_reads=False)
+    reader = Node("nixl", unique("chunk-reader"), fetch_chunk_bytes=CHUNK)
     reader.add_peers([nixl_owner.peer_info()])
     counting = _Counting(reader.transport._agent)  # type: ignore[attr-defined]
     reader.transport._agent = counting  # type: ignore[attr-defined]
@@ -329,7 +319,6 @@ def test_corruption_is_caught_per_chunk(nixl_owner: Node) -> None:
         "nixl",
         unique("chunk-corrupt"),
         fetch_chunk_bytes=CHUNK,
-        inline_reads=False,
         transport_cls=CorruptingNixlTransport,
     )
     reader.add_peers([nixl_owner.peer_info()])
@@ -350,7 +339,6 @@ def test_failure_between_chunks_keeps_verified_pages_and_returns_the_rest(
         "nixl",
         unique("chunk-fail"),
         fetch_chunk_bytes=CHUNK,
-        inline_reads=False,
         transport_cls=FailSecondReadNixlTransport,
     )
     reader.add_peers([nixl_owner.peer_info()])

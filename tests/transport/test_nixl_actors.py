@@ -39,16 +39,9 @@ def _kill_and_wait(proxy: Any, timeout_s: float = 30) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["inline", "io-thread"])
-def reader(request: pytest.FixtureRequest) -> Any:
-    """A reader actor whose reads run inside its wait, or on its transport's I/O thread."""
-    node = node_actor(
-        "nixl",
-        unique("nixl-reader-actor"),
-        num_pages=64,
-        page_bytes=MiB // 4,
-        inline_reads=request.param,
-    )
+@pytest.fixture(scope="module")
+def reader() -> Any:
+    node = node_actor("nixl", unique("nixl-reader-actor"), num_pages=64, page_bytes=MiB // 4)
     yield node
     node.close()
 
@@ -88,10 +81,9 @@ def test_owner_killed_before_read(reader: Any) -> None:
 
 
 def test_owner_killed_racing_the_read(reader: Any) -> None:
-    """Kill the owner right after the read starts. With reads on the I/O thread the fetch is
-    split into chunks (4 MiB), so the kill usually lands mid-transfer: the chunks read before it
-    are verified and sealed, every later page fails and its slot is free again. Inline, the
-    fetch is one part: all of it or none. No slot leaks, nothing unverified stays."""
+    """Kill the owner right after the read starts. The fetch is split into chunks (4 MiB), so
+    the kill usually lands mid-transfer: the chunks read before it are verified and sealed,
+    every later page fails and its slot is free again; no slot leaks, nothing unverified stays."""
     import ray
 
     owner = node_actor("nixl", unique("nixl-racing-owner"), num_pages=64, page_bytes=MiB // 4)
