@@ -142,6 +142,27 @@ def _status(tier: TesseraClient, pool: str) -> PoolStatus:
     return ray.get(tier.pool(pool).status.remote())
 
 
+def test_slots_reserved_beside_the_pin_for_blocks_the_owner_lacks_are_freed(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    """The reader reserves a slot per asked key while the owner pins; the blocks the owner did
+    not hold give theirs back at once, nothing stays reserved."""
+    n1, _, n3 = (tier.pool_on(n) for n in tessera_cluster.node_ids)
+    keys, data = prefix("partial", 4, salt=7), blocks(2, 7)
+    tier.store("partial", keys[:2], data, pool=n1)
+    before = _status(tier, n3)
+    reasons = ray.get(tier.pool(n3).fetch_from.remote(n1, "partial", keys))
+    assert reasons[:2] == [None, None]
+    assert all(r is not None and "not held" in r for r in reasons[2:])
+    after = _status(tier, n3)
+    assert after.reservations == 0 and after.pins == 0
+    assert after.blocks_in_memory == before.blocks_in_memory + 2
+    total = after.blocks_free + after.blocks_in_memory
+    assert total == before.blocks_free + before.blocks_in_memory  # no slot left reserved
+    got = tier.read("partial", keys[:2], pool=n3)
+    assert np.array_equal(np.stack(got), data)
+
+
 def test_client_dying_between_reserve_and_commit_leaves_nothing(
     tier: TesseraClient, tessera_cluster: SimCluster
 ) -> None:
