@@ -179,11 +179,17 @@ class _Counting:
         return counted
 
 
-def test_fetch_registers_nothing_and_makes_one_request(nixl_owner: Node) -> None:
-    reader = Node("nixl", unique("counting-reader"))
-    reader.add_peers([nixl_owner.peer_info()])
+def _counting_reader(owner: Node, **kw: Any) -> tuple[Node, _Counting]:
+    """A NIXL reader of ``owner`` whose agent calls are counted."""
+    reader = Node("nixl", unique("counting-reader"), **kw)
+    reader.add_peers([owner.peer_info()])
     counting = _Counting(reader.transport._agent)  # type: ignore[attr-defined]
     reader.transport._agent = counting  # type: ignore[attr-defined]
+    return reader, counting
+
+
+def test_fetch_registers_nothing_and_makes_one_request(nixl_owner: Node) -> None:
+    reader, counting = _counting_reader(nixl_owner)
     for n in (1, 7, 16):
         lease, export, data = nixl_owner.put(n)
         res = fetch_verified(reader.transport, export, timeout_s=10)
@@ -202,10 +208,7 @@ def test_a_hashing_read_is_one_request_per_hash_chunk(nixl_owner: Node) -> None:
     """A read that hashes is posted in requests of about hash_chunk_bytes (each hashed as it
     completes); with hash_chunk_bytes=0 it is one request again."""
     for hash_chunk, requests in ((2 * 4096, 4), (0, 1)):  # 7 pages: 2 + 2 + 2 + 1, or all
-        reader = Node("nixl", unique("hash-chunk-reader"), hash_chunk_bytes=hash_chunk)
-        reader.add_peers([nixl_owner.peer_info()])
-        counting = _Counting(reader.transport._agent)  # type: ignore[attr-defined]
-        reader.transport._agent = counting  # type: ignore[attr-defined]
+        reader, counting = _counting_reader(nixl_owner, hash_chunk_bytes=hash_chunk)
         lease, export, data = nixl_owner.put(7)
         res = fetch_verified(reader.transport, export, timeout_s=10)
         assert res.ok and reader.read_pages([f.handle for f in res.fetched]) == data
@@ -302,10 +305,7 @@ CHUNK = 3 * 4096  # three pages per read
 
 
 def test_chunked_fetch_is_one_request_per_chunk(nixl_owner: Node) -> None:
-    reader = Node("nixl", unique("chunk-reader"), fetch_chunk_bytes=CHUNK)
-    reader.add_peers([nixl_owner.peer_info()])
-    counting = _Counting(reader.transport._agent)  # type: ignore[attr-defined]
-    reader.transport._agent = counting  # type: ignore[attr-defined]
+    reader, counting = _counting_reader(nixl_owner, fetch_chunk_bytes=CHUNK)
     lease, export, data = nixl_owner.put(8)
     res = fetch_verified(reader.transport, export, timeout_s=10)
     assert res.ok and reader.read_pages([f.handle for f in res.fetched]) == data
