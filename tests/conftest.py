@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("UCX_MODULES", "^ib")
 # Keep every Ray address on loopback: without this Ray resolves 127.0.0.1 to the machine's
@@ -39,6 +41,28 @@ class SimCluster:
     """Node ids in start order: the head first."""
     metrics_export_port: int = 0
     """The head node's Prometheus endpoint: ``http://127.0.0.1:<port>/metrics``."""
+
+
+def kill_and_wait(actor: Any, timeout_s: float = 30.0) -> None:
+    """Kill a Ray actor and block until its process is gone. ``ray.kill`` returns before it
+    is, and Ray calls the actor dead while its process still exits, when it can still answer
+    on an open pin channel or serve a one-sided read of its memory."""
+    import ray
+
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while not _process_gone(pid):
+        assert time.monotonic() < deadline, f"the killed actor's process {pid} still runs"
+        time.sleep(0.02)
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited, or a zombie
+    except FileNotFoundError:
+        return True
 
 
 def _free_loopback_port() -> int:

@@ -7,6 +7,16 @@ it on a plain TCP connection, kept open per pair of pools: one small frame each 
 the owner actor's own event loop (the same code as its Ray ``pin`` method, no thread to lock
 against). Ray stays the way to find the channel and the fallback when it is down.
 
+Both ends are asyncio protocols, not streams, and each side takes the shortest way through its
+loop. The server calls a handler in the callback that read the request; a handler that returns
+its answer (rather than an awaitable) is answered in that same callback, with no task and no
+further loop iteration. The client, awaiting an answer, first waits for it on the socket itself
+for up to :data:`ANSWER_POLL_S` and reads it there, before it lets the loop wait: the pool
+actor's loop is about to be held by the fetch's read anyway, and the answer is nearly always
+that close. Measured between two Ray actors here (a noop round trip, medians of 100): 0.71-0.81
+ms over the asyncio-stream ends this replaced, 0.16-0.21 ms now; after a 96 MiB cache flush
+0.90-0.92 ms against 0.34-0.38 ms.
+
 Trust: the listener takes a connection only after it presents the owner's 32-byte secret,
 compared in constant time. Readers learn address and secret through a Ray call to the owner
 (Ray's own authentication guards it); a new owner process has a new secret. Frames are pickles
@@ -14,27 +24,32 @@ compared in constant time. Readers learn address and secret through a Ray call t
 after the secret matched. A connection that breaks fails every call waiting on it with
 :class:`ChannelError` at once; the caller falls back to Ray or reports the owner unavailable.
 
-No Ray import: tests drive both ends on one event loop.
+No Ray import: tests drive both ends on one event loop (where the client's wait on the socket
+finds nothing, since the server cannot run meanwhile, and falls back to the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
+import inspect
 import itertools
 import logging
+import os
 import pickle
 import secrets
+import select
 import struct
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tessera_ray.errors import TesseraError
 
 __all__ = [
+    "ANSWER_POLL_S",
     "ChannelAddress",
     "ChannelClient",
     "ChannelError",
@@ -47,11 +62,16 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 64 << 20
 """Largest frame either end accepts (a pin of 100,000 blocks is a few MB)."""
+ANSWER_POLL_S = 0.002
+"""How long a client waits on the socket itself for an answer before yielding to its loop (the
+loop is held meanwhile; an owner answers a pin of 256 pages in about 1 ms here)."""
 _HELLO = b"tessera-channel/1\n"
 _SECRET_BYTES = 32
 _HELLO_TIMEOUT_S = 5.0
 _LENGTH = struct.Struct("!I")
-Handler = Callable[..., Awaitable[Any]]
+_READ_BYTES = 1 << 16
+Handler = Callable[..., Any]
+"""Called with the request's arguments; returns the answer, or an awaitable of it."""
 
 
 class ChannelError(TesseraError, ConnectionError):
@@ -71,8 +91,30 @@ class ChannelAddress:
     secret: bytes = field(repr=False)
 
 
+def _frames(buffer: bytearray) -> list[bytes]:
+    """Take every whole frame off the front of ``buffer`` (a partial one stays)."""
+    out: list[bytes] = []
+    start = 0
+    while len(buffer) - start >= _LENGTH.size:
+        (length,) = _LENGTH.unpack_from(buffer, start)
+        if length > MAX_FRAME_BYTES:
+            raise _BadFrameError(f"a {length} B frame exceeds {MAX_FRAME_BYTES} B")
+        end = start + _LENGTH.size + length
+        if len(buffer) < end:
+            break
+        out.append(bytes(buffer[start + _LENGTH.size : end]))
+        start = end
+    del buffer[:start]
+    return out
+
+
+def _framed(message: tuple[Any, ...]) -> bytes:
+    frame = pickle.dumps(message)
+    return _LENGTH.pack(len(frame)) + frame
+
+
 class ChannelServer:
-    """Serves ``handlers`` (op name -> coroutine function) to authenticated connections."""
+    """Serves ``handlers`` (op name -> callable) to authenticated connections."""
 
     def __init__(self, handlers: Mapping[str, Handler], *, host: str) -> None:
         self._handlers = dict(handlers)
@@ -80,7 +122,7 @@ class ChannelServer:
         self._secret = secrets.token_bytes(_SECRET_BYTES)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[_ServerConnection] = set()
         self.served: Counter[str] = Counter()
         """Requests answered (or run, for one-way ones), per op."""
         self.refused = 0
@@ -89,7 +131,10 @@ class ChannelServer:
 
     async def start(self) -> ChannelAddress:
         """Listen on a free port of ``host``; returns what readers need to connect."""
-        self._server = await asyncio.start_server(self._serve, self._host, 0)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _ServerConnection(self, _HELLO + self._secret), self._host, 0
+        )
         port = self._server.sockets[0].getsockname()[1]
         self.address = ChannelAddress(self._host, port, self._secret)
         return self.address
@@ -98,94 +143,158 @@ class ChannelServer:
         """Stop listening and drop every connection: callers waiting on one fail at once."""
         if self._server is not None:
             self._server.close()
-        for writer in list(self._writers):
-            writer.close()
+        for connection in list(self._connections):
+            connection.close()
         for task in list(self._tasks):
             task.cancel()
         if self._server is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(self._server.wait_closed(), _HELLO_TIMEOUT_S)
+            except (TimeoutError, OSError):
+                pass
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        try:
-            hello = await asyncio.wait_for(
-                reader.readexactly(len(_HELLO) + _SECRET_BYTES), _HELLO_TIMEOUT_S
-            )
-            if not hmac.compare_digest(hello, _HELLO + self._secret):
-                self.refused += 1
-                return
-            lock = asyncio.Lock()
-            while True:
-                req_id, op, args = pickle.loads(
-                    await _read_frame(reader)
-                )  # after the secret matched
-                task = asyncio.get_running_loop().create_task(
-                    self._answer(writer, lock, req_id, op, args)
-                )
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass  # the peer went away (or never said hello): nothing to answer
-        except asyncio.CancelledError:
-            pass  # the loop is shutting down: the connection ends with it
-        except Exception as e:  # a malformed frame: drop the connection, keep serving others
-            self.refused += 1
-            log.warning("channel: dropped a connection after a bad frame: %s", e)
-        finally:
-            self._writers.discard(writer)
-            writer.close()
-
-    async def _answer(
-        self,
-        writer: asyncio.StreamWriter,
-        lock: asyncio.Lock,
-        req_id: int | None,
-        op: str,
-        args: tuple[Any, ...],
+    def _dispatch(
+        self, connection: _ServerConnection, req_id: int | None, op: str, args: Any
     ) -> None:
         handler = self._handlers.get(op)
         try:
             if handler is None:
                 raise ChannelError(f"unknown channel op {op!r}; known: {', '.join(self._handlers)}")
             self.served[op] += 1
-            reply: tuple[Any, ...] = (req_id, True, await handler(*args))
+            result = handler(*args)
         except Exception as e:  # the caller gets the error, as a Ray call would raise it
-            reply = (req_id, False, e)
+            connection.answer(req_id, False, e)
+            return
+        if not inspect.isawaitable(result):
+            connection.answer(req_id, True, result)  # in this callback: no task, no wake-up
+            return
+        task = asyncio.get_running_loop().create_task(self._finish(connection, req_id, result))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _finish(
+        connection: _ServerConnection, req_id: int | None, result: Awaitable[Any]
+    ) -> None:
+        try:
+            value = await result
+        except Exception as e:
+            connection.answer(req_id, False, e)
+        else:
+            connection.answer(req_id, True, value)
+
+
+class _ServerConnection(asyncio.Protocol):
+    """One reader's connection: the hello first, then length-prefixed request frames."""
+
+    def __init__(self, server: ChannelServer, hello: bytes) -> None:
+        self._server = server
+        self._hello = hello
+        self._buffer = bytearray()
+        self._authenticated = False
+        self._transport: asyncio.Transport | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Not an asyncio.Transport under uvloop (Ray's async actors run on it): same methods.
+        self._transport = cast(asyncio.Transport, transport)
+        self._server._connections.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(_HELLO_TIMEOUT_S, self.close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server._connections.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
+        self._buffer += data
+        if not self._authenticated:
+            if len(self._buffer) < len(self._hello):
+                return
+            hello = bytes(self._buffer[: len(self._hello)])
+            del self._buffer[: len(self._hello)]
+            if self._hello_timer is not None:
+                self._hello_timer.cancel()
+            if not hmac.compare_digest(hello, self._hello):
+                self._server.refused += 1
+                self.close()
+                return
+            self._authenticated = True
+        try:
+            for frame in _frames(self._buffer):
+                req_id, op, args = pickle.loads(frame)  # after the secret matched
+                if not isinstance(op, str) or not isinstance(args, tuple):
+                    raise _BadFrameError(f"a request names op {op!r} with {type(args).__name__}")
+                self._server._dispatch(self, req_id, op, args)
+                if self._transport.is_closing():
+                    return
+        except Exception as e:  # a malformed frame: drop the connection, keep serving others
+            self._server.refused += 1
+            log.warning("channel: dropped a connection after a bad frame: %s", e)
+            self.close()
+
+    def answer(self, req_id: int | None, ok: bool, value: Any) -> None:
         if req_id is None:  # one-way message: nobody waits for an answer
+            if not ok:
+                log.debug("channel: a one-way request failed: %s", value)
             return
         try:
-            frame = pickle.dumps(reply)
+            frame = _framed((req_id, ok, value))
         except Exception as e:
-            frame = pickle.dumps((req_id, False, ChannelError(f"unpicklable answer: {e!r}")))
-        async with lock:  # frames of concurrent answers must not interleave
-            with contextlib.suppress(ConnectionError):
-                writer.write(_LENGTH.pack(len(frame)) + frame)
-                await writer.drain()
+            frame = _framed((req_id, False, ChannelError(f"unpicklable answer: {e!r}")))
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(frame)
+
+
+class _ClientConnection(asyncio.Protocol):
+    """Feeds what the loop reads to its :class:`ChannelClient`."""
+
+    def __init__(self) -> None:
+        self.client: ChannelClient | None = None
+        self.lost: Exception | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.client is not None:
+            self.client._received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc or ConnectionResetError("closed by the pool")
+        if self.client is not None:
+            self.client._fail(ChannelError(f"channel to the pool broke: {self.lost!r}"))
 
 
 class ChannelClient:
     """One connection to a pool's channel; calls may overlap (answers carry request ids)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self, transport: asyncio.Transport, connection: _ClientConnection) -> None:
+        self._transport = transport
+        self._fd: int = transport.get_extra_info("socket").fileno()
+        self._buffer = bytearray()
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._broken: ChannelError | None = None
-        self._pump = asyncio.get_running_loop().create_task(self._read_answers())
+        connection.client = self
+        if connection.lost is not None:
+            self._fail(ChannelError(f"channel to the pool broke: {connection.lost!r}"))
 
     @classmethod
     async def connect(cls, address: ChannelAddress, timeout_s: float) -> ChannelClient:
         """Connect and authenticate; :class:`ChannelError` when the pool cannot be reached."""
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(address.host, address.port), timeout_s
+            transport, connection = await asyncio.wait_for(
+                loop.create_connection(_ClientConnection, address.host, address.port), timeout_s
             )
         except (OSError, TimeoutError) as e:
             raise ChannelError(f"cannot reach {address.host}:{address.port}: {e!r}") from e
-        writer.write(_HELLO + address.secret)
-        return cls(reader, writer)
+        transport.write(_HELLO + address.secret)
+        return cls(transport, connection)
 
     @property
     def closed(self) -> bool:
@@ -217,31 +326,52 @@ class ChannelClient:
 
     def close(self) -> None:
         self._fail(ChannelError("channel closed"))
-        self._writer.close()
+        self._transport.close()
 
     def _send(self, message: tuple[Any, ...]) -> None:
         if self._broken is not None:
             raise self._broken
-        frame = pickle.dumps(message)
-        if len(frame) > MAX_FRAME_BYTES:
+        frame = _framed(message)
+        if len(frame) - _LENGTH.size > MAX_FRAME_BYTES:
             raise ChannelError(f"a {len(frame)} B request exceeds {MAX_FRAME_BYTES} B")
-        try:
-            self._writer.write(_LENGTH.pack(len(frame)) + frame)
-        except (ConnectionError, RuntimeError) as e:
-            self._fail(ChannelError(f"channel broken: {e!r}"))
-            raise self._broken from e  # type: ignore[misc]
+        if self._transport.is_closing():
+            self._fail(ChannelError("channel broken: the connection is closing"))
+            raise self._broken  # type: ignore[misc]
+        self._transport.write(frame)
 
-    async def _read_answers(self) -> None:
+    def _received(self, data: bytes) -> None:
+        self._buffer += data
         try:
-            while True:
-                req_id, ok, value = pickle.loads(await _read_frame(self._reader))
+            for frame in _frames(self._buffer):
+                req_id, ok, value = pickle.loads(frame)
                 future = self._waiting.get(req_id)
                 if future is not None and not future.done():
                     future.set_result((ok, value))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # closed, reset, or garbage: every waiting call fails now
+        except Exception as e:  # garbage from the pool: every waiting call fails now
             self._fail(ChannelError(f"channel to the pool broke: {e!r}"))
+            self._transport.close()
+
+    def _poll(self, future: asyncio.Future[Any], budget_s: float) -> None:
+        """Wait on the socket itself, up to ``budget_s``, until ``future`` has its answer
+        (see the module docstring); what arrives goes where the loop would have put it."""
+        if self._transport.get_write_buffer_size():
+            return  # the request still waits in the loop's buffer: only the loop can send it
+        deadline = time.monotonic() + budget_s
+        while not future.done() and self._broken is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._fd], [], [], left)[0]:
+                return
+            try:
+                data = os.read(self._fd, _READ_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                self._fail(ChannelError(f"channel to the pool broke: {e!r}"))
+                return
+            if not data:  # closed by the pool: the loop sees it too and closes the transport
+                self._fail(ChannelError("channel to the pool broke: closed by the pool"))
+                return
+            self._received(data)
 
     def _fail(self, err: ChannelError) -> None:
         if self._broken is None:
@@ -250,8 +380,6 @@ class ChannelClient:
             if not future.done():
                 future.set_exception(self._broken)
         self._waiting.clear()
-        if not self._pump.done() and asyncio.current_task() is not self._pump:
-            self._pump.cancel()
 
 
 class PendingCall:
@@ -268,8 +396,15 @@ class PendingCall:
         """The pool's answer (or its error raised); :class:`ChannelError` when the connection
         broke, ``TimeoutError`` past ``timeout_s`` (the connection is then closed: a late
         answer must not be taken for a later call's)."""
+        began = time.monotonic()
         try:
-            ok, value = await asyncio.wait_for(self._future, timeout_s)
+            if not self._future.done():
+                self._client._poll(self._future, min(timeout_s, ANSWER_POLL_S))
+            if self._future.done():
+                ok, value = self._future.result()
+            else:
+                left = max(timeout_s - (time.monotonic() - began), 0.0)
+                ok, value = await asyncio.wait_for(self._future, left)
         except TimeoutError:
             self._client.close()
             raise
@@ -283,10 +418,3 @@ class PendingCall:
         """Stop waiting for the answer (it is dropped when it comes)."""
         self._client._waiting.pop(self._req_id, None)
         self._future.cancel()
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if length > MAX_FRAME_BYTES:
-        raise _BadFrameError(f"a {length} B frame exceeds {MAX_FRAME_BYTES} B")
-    return await reader.readexactly(length)

@@ -127,7 +127,7 @@ class PoolActor:
 
     async def _serve_channel(self) -> None:
         server = ChannelServer(
-            {"pin": self.svc.pin, "unpin": self._unpin_quietly},
+            {"pin": self._channel_pin, "unpin": self._unpin_quietly},
             host=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
         )
         try:
@@ -137,7 +137,13 @@ class PoolActor:
             return
         self._channel_server = server
 
-    async def _unpin_quietly(self, pin_id: int) -> None:
+    def _channel_pin(self, access: Access, keys: list[TokenKey]) -> Any:
+        """A pin asked on the channel: answered at once when every block is in memory or
+        nowhere (the usual case), else the awaitable of the full pin (restores from disk)."""
+        ticket = self.svc.pin_resident(access, keys)
+        return ticket if ticket is not None else self.svc.pin(access, keys)
+
+    def _unpin_quietly(self, pin_id: int) -> None:
         self.svc.unpin(pin_id)
 
     async def channel(self) -> ChannelAddress | None:

@@ -389,16 +389,35 @@ class PoolService(TransferMixin):
                 out.append(None)
         return out
 
-    async def pin(
+    def pin_resident(
         self, access: Access, token_keys: Sequence[TokenKey], lease_s: float | None = None
-    ) -> PinTicket:
-        """Hold the blocks in memory for a reader (restoring disk-only ones first)."""
+    ) -> PinTicket | None:
+        """:meth:`pin` when it has nothing to await: every block is in memory or nowhere (none
+        to restore from disk, none whose pages vanished). ``None`` otherwise, holding nothing:
+        call :meth:`pin`. The pin channel answers this way inside the callback that read the
+        request, with no task and no further turn of the loop."""
         self.reap()
         namespace = self.gate.resolve(access, write=False)
         self._check_keys(namespace, token_keys)
         lease = self._lease_s(lease_s)
-        # References first, on every block already in memory: restoring the others reserves
-        # slots, which may evict, and must not evict a block this very pin is about to take.
+        taken = self._take(namespace, token_keys)
+        for i, key in enumerate(token_keys):
+            if i not in taken and (
+                (namespace, key) in self._on_disk or (namespace, key) in self._resident
+            ):
+                for refs in taken.values():
+                    self._release(_Lease([refs], 0.0))
+                return None
+        blocks = [
+            self._pinned(namespace, key, taken[i]) if i in taken else None
+            for i, key in enumerate(token_keys)
+        ]
+        return self._ticket(namespace, list(taken.values()), blocks, lease)
+
+    def _take(
+        self, namespace: str, token_keys: Sequence[TokenKey]
+    ) -> dict[int, list[list[PageHandle]]]:
+        """References on every block of ``token_keys`` already in memory, by position."""
         taken: dict[int, list[list[PageHandle]]] = {}
         for i, key in enumerate(token_keys):
             handles = self._reference(namespace, key)
@@ -408,13 +427,60 @@ class PoolService(TransferMixin):
                     # A pin is a use. Eviction also looks for victims among the oldest
                     # blocks only: held blocks left there would crowd out evictable ones.
                     self._resident.move_to_end((namespace, key))
+        return taken
+
+    def _pinned(
+        self, namespace: str, key: TokenKey, handles: list[list[PageHandle]]
+    ) -> PinnedBlock:
+        """What a reader needs of one held block: its pages' slots and content hashes."""
+        return PinnedBlock(
+            key,
+            self._resident[(namespace, key)],
+            tuple(tuple(h.offset // h.length for h in hs) for hs in handles),
+            tuple(
+                tuple(pool.content_hash_of(h) for h in hs)
+                for pool, hs in zip(self.pools, handles, strict=True)
+            ),
+        )
+
+    def _ticket(
+        self,
+        namespace: str,
+        held: list[list[list[PageHandle]]],
+        blocks: list[PinnedBlock | None],
+        lease_s: float,
+    ) -> PinTicket:
+        """Register the references ``held`` as one pin lease; its ticket."""
+        pid = self._new_id(self._reservations, self._pins)
+        self._pins[pid] = _Lease(held, self.clock() + lease_s, namespace)
+        return PinTicket(
+            pid,
+            self.name,
+            namespace,
+            tuple(blocks),
+            self._pins[pid].expires_at_s,
+            self.incarnation,
+        )
+
+    async def pin(
+        self, access: Access, token_keys: Sequence[TokenKey], lease_s: float | None = None
+    ) -> PinTicket:
+        """Hold the blocks in memory for a reader (restoring disk-only ones first)."""
+        ticket = self.pin_resident(access, token_keys, lease_s)
+        if ticket is not None:
+            return ticket
+        namespace = self.gate.resolve(access, write=False)
+        lease = self._lease_s(lease_s)
+        # References first, on every block already in memory: restoring the others reserves
+        # slots, which may evict, and must not evict a block this very pin is about to take.
+        taken = self._take(namespace, token_keys)
         try:
             await self._restore(namespace, [k for i, k in enumerate(token_keys) if i not in taken])
         except PoolExhaustedError:
             pass  # no room to restore beside what is held: those blocks are misses, not errors
         except BaseException:
-            for handles in taken.values():
-                self._release(_Lease([handles], 0.0))
+            for refs in taken.values():
+                self._release(_Lease([refs], 0.0))
             raise
         held: list[list[list[PageHandle]]] = []
         blocks: list[PinnedBlock | None] = []
@@ -429,29 +495,10 @@ class PoolService(TransferMixin):
                 continue
             held.append(handles)
             self._resident.move_to_end((namespace, key))
-            blocks.append(
-                PinnedBlock(
-                    key,
-                    self._resident[(namespace, key)],
-                    tuple(tuple(h.offset // h.length for h in hs) for hs in handles),
-                    tuple(
-                        tuple(pool.content_hash_of(h) for h in hs)
-                        for pool, hs in zip(self.pools, handles, strict=True)
-                    ),
-                )
-            )
+            blocks.append(self._pinned(namespace, key, handles))
         if vanished and self.directory is not None:
             await self.directory.drop(self.name, vanished, Tier.MEMORY)
-        pid = self._new_id(self._reservations, self._pins)
-        self._pins[pid] = _Lease(held, self.clock() + lease, namespace)
-        return PinTicket(
-            pid,
-            self.name,
-            namespace,
-            tuple(blocks),
-            self._pins[pid].expires_at_s,
-            self.incarnation,
-        )
+        return self._ticket(namespace, held, blocks, lease)
 
     def _reference(self, namespace: str, key: TokenKey) -> list[list[PageHandle]] | None:
         """References on every page of the block (all layer groups), or ``None`` and no

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tessera_ray.actors import channel
 from tessera_ray.actors.channel import (
     MAX_FRAME_BYTES,
     ChannelAddress,
@@ -230,3 +231,97 @@ def test_frames_are_length_prefixed_pickles() -> None:
         writer.close()
 
     run(body)
+
+
+def test_a_handler_that_returns_its_answer_is_answered_without_a_task() -> None:
+    """Sync handlers (the pool's resident pin) answer in the read callback; their errors reach
+    the caller like an async handler's."""
+
+    def resident(keys: list[bytes]) -> list[bytes]:
+        if not keys:
+            raise TenantError("nothing asked")
+        return keys[::-1]
+
+    async def main() -> None:
+        server = ChannelServer({"resident": resident}, host="127.0.0.1")
+        address = await server.start()
+        client = await ChannelClient.connect(address, 5.0)
+        tasks_before = len(asyncio.all_tasks())
+        assert await client.call("resident", [b"a", b"b"], timeout_s=5.0) == [b"b", b"a"]
+        assert len(asyncio.all_tasks()) == tasks_before  # no task was made for it
+        with pytest.raises(TenantError, match="nothing asked"):
+            await client.call("resident", [], timeout_s=5.0)
+        assert server.served["resident"] == 2
+        client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def _server_in_thread(handlers: dict[str, Any]) -> tuple[ChannelAddress, Callable[[], None]]:
+    """A channel server on its own loop in another thread (as the owner is another process):
+    returns its address and a function that closes it."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = ChannelServer(handlers, host="127.0.0.1")
+    address = asyncio.run_coroutine_threadsafe(server.start(), loop).result(5.0)
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(5.0)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+
+    return address, stop
+
+
+def test_an_answer_is_read_on_the_socket_before_the_loop_runs_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the owner elsewhere, the client reads a prompt answer itself: callbacks queued on
+    its loop before it awaited have not run when the answer is back."""
+    # A generous wait, so that a stall of this machine cannot send the answer the slow way.
+    monkeypatch.setattr(channel, "ANSWER_POLL_S", 2.0)
+    address, stop = _server_in_thread({"echo": lambda x: x})
+
+    async def main() -> None:
+        client = await ChannelClient.connect(address, 5.0)
+        assert await client.call("echo", 0, timeout_s=5.0) == 0  # connected and authenticated
+        ran: list[int] = []
+        for i in range(5):
+            pending = client.request("echo", i)
+            asyncio.get_running_loop().call_soon(ran.append, i)
+            assert await pending.answer(5.0) == i
+            assert ran == list(range(i))  # this round's callback waits for the loop
+            await asyncio.sleep(0)
+        client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop()
+
+
+def test_an_owner_that_goes_away_while_the_client_waits_on_the_socket_fails_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(channel, "ANSWER_POLL_S", 2.0)  # the close lands inside the wait
+
+    async def wait_forever() -> None:
+        await asyncio.Event().wait()
+
+    address, stop = _server_in_thread({"hang": wait_forever})
+
+    async def main() -> None:
+        client = await ChannelClient.connect(address, 5.0)
+        pending = client.request("hang")
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, stop)  # the owner closes while the answer is awaited
+        began = loop.time()
+        with pytest.raises(ChannelError):
+            await pending.answer(30.0)
+        assert loop.time() - began < 5.0 and client.closed
+
+    asyncio.run(main())

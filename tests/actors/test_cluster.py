@@ -19,7 +19,7 @@ from tessera_ray.actors.messages import PoolStatus
 from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.transport import PeerInfo
-from tests.conftest import SimCluster
+from tests.conftest import SimCluster, kill_and_wait
 
 pytestmark = pytest.mark.ray
 
@@ -275,19 +275,6 @@ def test_a_block_that_rotted_in_its_owner_is_dropped_there_after_a_failed_fetch(
     assert np.array_equal(np.stack(tier.read("rot", keys, pool=reader)), data)
 
 
-def _until_dead(actor: ray.actor.ActorHandle, timeout_s: float = 20.0) -> None:
-    """Wait for a killed actor's process to be gone: ``ray.kill`` returns before it is, and a
-    request sent meanwhile may still be answered."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.health.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the killed actor still answers after {timeout_s} s")
-
-
 def test_dead_pool_is_purged_and_requests_fall_back(
     tier: TesseraClient, tessera_cluster: SimCluster
 ) -> None:
@@ -297,8 +284,7 @@ def test_dead_pool_is_purged_and_requests_fall_back(
     assert set(tier.fetch("chaos", keys[:3], into=other).fetched) == set(keys[:3])
     assert _status(tier, victim).channel_pins >= 1  # other now holds a channel to victim
     handle = tier.pool(victim)
-    ray.kill(handle, no_restart=True)
-    _until_dead(handle)
+    kill_and_wait(handle)
     # The open channel breaks with the process: the reader learns at once, not after its
     # 30 s timeout, and fetches nothing.
     began = time.monotonic()

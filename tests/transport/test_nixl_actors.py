@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tessera_ray.transport import FailureReason
+from tests.conftest import kill_and_wait
 
 from ._node import node_actor
 from .conformance import unique
@@ -16,27 +17,6 @@ from .conformance import unique
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 
 MiB = 1 << 20
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-def _kill_and_wait(proxy: Any, timeout_s: float = 30) -> None:
-    """Kill the actor and block until its process is gone: Ray may call an actor dead while
-    its process still exits, and a one-sided read of a live address space still succeeds."""
-    import ray
-
-    pid = proxy.pid()
-    ray.kill(proxy.handle, no_restart=True)
-    deadline = time.monotonic() + timeout_s
-    while not _process_gone(pid):
-        assert time.monotonic() < deadline, f"killed actor process {pid} still running"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +46,7 @@ def test_owner_killed_before_read(reader: Any) -> None:
     owner = node_actor("nixl", unique("nixl-doomed-owner"), num_pages=16, page_bytes=MiB // 4)
     reader.add_peers([owner.peer_info()])
     _, export, _ = owner.put(8)
-    _kill_and_wait(owner)
+    kill_and_wait(owner.handle)
     before = reader.stats()
     timeout_s = 3.0
     start = time.monotonic()
