@@ -128,6 +128,32 @@ def test_pinned_blocks_are_never_evicted_and_pins_expire() -> None:
     assert ticket.id not in pool._pins
 
 
+def test_a_resident_pin_needs_no_await_and_a_spilled_block_takes_the_full_pin(
+    tmp_path: Path,
+) -> None:
+    """pin_resident answers for blocks in memory or nowhere; with a block only on disk it
+    holds nothing and says so (None), and pin() restores that block."""
+    pool = make(num_blocks=4, directory=LocalDirectory(1), disk=tmp_path)
+    ks, data = keys(3), payloads(3, 9, pool.block_bytes)
+    run(pool.store(NS, ks[:2], data[:2]))
+    ticket = pool.pin_resident(NS, ks)  # two resident, one never stored: a miss
+    assert ticket is not None and [b is not None for b in ticket.blocks] == [True, True, False]
+    assert np.array_equal(pool.read_pinned(ticket.id), data[:2])
+    assert pool.status().pins == 1 and pool.unpin(ticket.id)
+    run(pool.store(NS, ks[2:], data[2:]))
+    run(pool.evict(1))  # the oldest block (ks[0]) goes to disk
+    assert pool.contains(NS, ks[:1]) == [Tier.DISK]
+    assert pool.pin_resident(NS, ks) is None
+    assert pool.status().pins == 0
+    run(pool.evict(2))  # nothing kept held: both resident blocks can go to disk too
+    assert pool.contains(NS, ks) == [Tier.DISK] * 3
+    ticket = run(pool.pin(NS, ks))  # the full pin restores them
+    assert all(b is not None for b in ticket.blocks)
+    assert np.array_equal(pool.read_pinned(ticket.id), data)
+    with pytest.raises(PageShapeError, match="token key is 32 bytes"):
+        pool.pin_resident(NS, [b"short"])
+
+
 def test_install_verifies_every_page_against_the_owner() -> None:
     owner, reader = make("owner"), make("reader")
     ks = keys(2)
