@@ -78,6 +78,9 @@ class BenchNode:
         self.keys: list[Any] = []
         self._token_key = token_key
         self._torch = torch
+        from tessera_ray.actors._heap import freeze_startup_heap
+
+        freeze_startup_heap()  # as a pool actor does once started
 
     def peer(self) -> Any:
         return self.info

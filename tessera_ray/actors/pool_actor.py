@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from tessera_ray.actors._heap import freeze_startup_heap
 from tessera_ray.actors._ray_names import CALL_TIMEOUT_S as _CALL_TIMEOUT_S
 from tessera_ray.actors._ray_names import DEAD as _DEAD
 from tessera_ray.actors.channel import (
@@ -124,6 +125,10 @@ class PoolActor:
             await self._serve_channel()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._reaper()), loop.create_task(self._exporter())]
+        frozen = freeze_startup_heap()  # full collections would walk it all (see _heap)
+        log.debug(
+            "pool %s: %d start-up objects frozen out of garbage collection", self.svc.name, frozen
+        )
 
     async def _serve_channel(self) -> None:
         server = ChannelServer(
