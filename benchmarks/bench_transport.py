@@ -59,6 +59,7 @@ class BenchNode:
     def __init__(self, name: str, page_bytes: int, num_pages: int) -> None:
         import torch
 
+        from tessera_ray.actors._heap import freeze_startup_heap
         from tessera_ray.core import BlockPool, PoolConfig, token_key
         from tessera_ray.transport import TransportConfig, make_transport
 
@@ -78,8 +79,6 @@ class BenchNode:
         self.keys: list[Any] = []
         self._token_key = token_key
         self._torch = torch
-        from tessera_ray.actors._heap import freeze_startup_heap
-
         freeze_startup_heap()  # as a pool actor does once started
 
     def peer(self) -> Any:
