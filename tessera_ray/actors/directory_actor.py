@@ -22,6 +22,7 @@ from tessera_ray.actors.directory import (
     DirectoryStats,
     LookupResult,
     Registration,
+    Registrations,
     Tier,
 )
 from tessera_ray.actors.exporter import export_directory_stats
@@ -242,7 +243,10 @@ class ShardedDirectory:
         groups = group_by_shard([e.token_key for e in entries], self.num_shards)
         async with self._writes:
             await asyncio.gather(
-                *(self._call(s, "register", [entries[i] for i in idx]) for s, idx in groups.items())
+                *(
+                    self._call(s, "register", Registrations(entries[i] for i in idx))
+                    for s, idx in groups.items()
+                )
             )
 
     async def drop(

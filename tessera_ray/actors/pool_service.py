@@ -33,7 +33,7 @@ import torch
 
 from tessera_ray.actors._leases import Lease as _Lease
 from tessera_ray.actors.config import PoolServiceConfig
-from tessera_ray.actors.directory import Registration, Replica, Tier
+from tessera_ray.actors.directory import Registration, Registrations, Replica, Tier
 from tessera_ray.actors.disk_blocks import DiskBlocks
 from tessera_ray.actors.links import DirectoryLink
 from tessera_ray.actors.messages import (
@@ -738,17 +738,17 @@ class PoolService(TransferMixin):
 
     # ------------------------------------------------------------------ inventory and status
 
-    def inventory(self) -> list[Registration]:
+    def inventory(self) -> Registrations:
         """Every block this pool can serve, as directory registrations (for a rebuild)."""
-        out = [
+        out = Registrations(
             Registration(ns, TokenKey(key), bh, Replica(self.name, Tier.MEMORY, 0, 0))
             for (ns, key), bh in self._resident.items()
             if self.pools[0].contains(ns, TokenKey(key))
-        ]
-        out += [
+        )
+        out += (
             Registration(ns, TokenKey(key), bh, Replica(self.name, Tier.DISK, 0, 0))
             for (ns, key), bh in self._on_disk.items()
-        ]
+        )
         return out
 
     def status(self) -> PoolStatus:
