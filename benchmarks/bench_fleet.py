@@ -11,8 +11,7 @@ checked against the model's dense prefill) and stored by the first agent into on
   owner pin, NIXL READ, verify, seal), through the public client; ``reuse_prefix_fetch_s``: the
   whole prefix fetched into a third pool in one call, the first contact between the two pools
   included; ``reuse_prefix_refetch_s``: the same again after evicting it there, the median of
-  several (the steady state). The ``*_vs_recompute`` rows compare the
-  two as blocks per second.
+  several (the steady state). The ``*_vs_recompute`` rows compare the two as blocks per second.
 - ``fleet_bytes_*``: after every agent fetched the prefix into its pool (agents spread over
   three pools), computed its own last block and stored it: the bytes the agents' prompts hold
   (what a cache keyed per request stores, without dedup), the distinct blocks the tier holds

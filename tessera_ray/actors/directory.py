@@ -83,6 +83,7 @@ class LookupResult(NamedTuple):
 
 _TIERS = tuple(sorted(Tier))
 """``Tier`` by value (0, 1, ...), indexed: cheaper than calling ``Tier(value)`` per replica."""
+assert all(t == i for i, t in enumerate(_TIERS)), "Tier values must be 0, 1, ... to index"
 
 
 def _interned(names: dict[str, int], name: str) -> int:
