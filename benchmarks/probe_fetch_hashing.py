@@ -23,6 +23,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -79,17 +81,34 @@ def _owner(conn: Connection) -> None:
     conn.recv()  # hold the pages until the reader is done
 
 
+@contextmanager
+def owner_and_reader(name: str) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """An owner process holding the exported pages and a reader node ``name`` that knows it as
+    a peer: ``(reader pool, reader transport, owner PeerInfo, export)``; the owner lets go of
+    its pages and exits when the block ends."""
+    end, child = mp.Pipe()
+    owner = mp.Process(target=_owner, args=(child,))
+    owner.start()
+    try:
+        info, export = end.recv()
+        pool, transport = _node(name)
+        transport.add_peers([info])
+        yield pool, transport, info, export
+    finally:
+        end.send(True)
+        owner.join()
+
+
 def main() -> None:
+    with owner_and_reader("probe-reader") as (pool, transport, info, export):
+        _measure(pool, transport, info, export)
+
+
+def _measure(pool: Any, transport: Any, info: Any, export: Any) -> None:
     import torch
 
     from tessera_ray.transport import fetch_verified
 
-    end, child = mp.Pipe()
-    owner = mp.Process(target=_owner, args=(child,))
-    owner.start()
-    info, export = end.recv()
-    pool, transport = _node("probe-reader")
-    transport.add_peers([info])
     agent = transport._agent  # the raw READ drives the reader's agent with bare calls
     local_dlist, remote_dlist = transport._local, transport._remote[info.name]
     remote = list(export.slots)
@@ -124,8 +143,6 @@ def main() -> None:
         raw()
         for way in WAYS:
             fetch(way)
-    end.send(True)
-    owner.join()
     medians = {k: statistics.median(v[2:]) for k, v in samples.items()}  # 2 warm-up rounds
     print(f"{PAGES} MLA pages, medians of {ROUNDS} interleaved rounds:")
     for key, seconds in medians.items():

@@ -20,10 +20,10 @@ Each line also gives ``in_transfer``, the time the I/O thread spent inside NIXL'
 ``transfer()`` calls (the copy runs there, over UCX's cma). Both pipelined digests are checked
 against the pool's own hash before anything is timed.
 
-On this 2-core VM (three runs, 2026-12-03) neither pipeline beat hashing after each request:
-read_then_hash ran at 0.65-0.67 of the READ alone, pipelined_python at 0.57-0.61 and
-pipelined_native at 0.59-0.60. With the other core hashing, the copy itself slowed (in_transfer
-2.7-3.3 ms against 2.5-2.6 ms) and so did the I/O thread's work between requests, on a machine
+On this 2-core VM (four runs, 2026-12-03) neither pipeline beat hashing after each request:
+read_then_hash ran at 0.65-0.72 of the READ alone, pipelined_python at 0.57-0.62 and
+pipelined_native at 0.59-0.62. With the other core hashing, the copy itself slowed (in_transfer
+2.7-3.6 ms against 2.5-2.9 ms) and so did the I/O thread's work between requests, on a machine
 whose second core the progress threads also need. So a verified fetch here costs the READ plus
 one hash pass over its bytes, before any owner round trip or bookkeeping.
 Run: ``python benchmarks/probe_landed_pipeline.py``.
@@ -32,7 +32,6 @@ Run: ``python benchmarks/probe_landed_pipeline.py``.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -51,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("UCX_MODULES", "^ib")  # before anything loads UCX (REFERENCE.md)
 
-from probe_fetch_hashing import NAMESPACE, PAGES, _node, _owner  # noqa: E402
+from probe_fetch_hashing import NAMESPACE, PAGES, owner_and_reader  # noqa: E402
 
 ROUNDS = 25
 SOURCE = Path(__file__).with_name("_landed_hash.c")
@@ -88,17 +87,16 @@ def _native(build_dir: str) -> tuple[Any, int] | str:
 
 
 def main() -> None:
+    with owner_and_reader("pipeline-reader") as (pool, transport, info, export):
+        _measure(pool, transport, info, export)
+
+
+def _measure(pool: Any, transport: Any, info: Any, export: Any) -> None:
     import numpy as np
     import torch
 
     from tessera_ray.core import content_seed
 
-    end, child = mp.Pipe()
-    owner = mp.Process(target=_owner, args=(child,))
-    owner.start()
-    info, export = end.recv()
-    pool, transport = _node("pipeline-reader")
-    transport.add_peers([info])
     agent, local_dlist = transport._agent, transport._local
     remote_dlist, remote = transport._remote[info.name], list(export.slots)
     seed = content_seed(NAMESPACE, pool.fingerprint)
@@ -187,8 +185,6 @@ def main() -> None:
                 samples[way].append((time.perf_counter() - t, in_transfer[0]))
         jobs.shutdown()
     pool.release_many(handles)
-    end.send(True)
-    owner.join()
     total = {w: statistics.median(s for s, _ in v[1:]) for w, v in samples.items()}
     copy = {w: statistics.median(c for _, c in v[1:]) for w, v in samples.items()}
     print(f"{PAGES} MLA pages in requests of {step} pages, medians of {ROUNDS} rounds:")
