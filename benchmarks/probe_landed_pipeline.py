@@ -76,7 +76,7 @@ def _native(build_dir: str) -> tuple[Any, int] | str:
     ptr, u64 = ctypes.c_void_p, ctypes.c_uint64
     # fn, base, page_bytes, slots, n, seed, landed, out, timeout_s
     lib.landed_hash.argtypes = [ptr, ptr, u64, ptr, ctypes.c_int64, u64, ptr, ptr, ctypes.c_double]
-    lib.landed_publish.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.landed_publish.argtypes = [ptr, ctypes.c_int64]
     try:
         ext = ctypes.CDLL(xxhash._xxhash.__file__)
         fn = ctypes.cast(ext.XXH3_128bits_withSeed_dispatch, ctypes.c_void_p).value
@@ -117,7 +117,7 @@ def _measure(pool: Any, transport: Any, info: Any, export: Any) -> None:
         assert state == "DONE", state
 
     chunks = [(a, min(a + step, PAGES)) for a in range(0, PAGES, step)]
-    landed_q: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+    landed_q: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
     counter = np.zeros(1, dtype=np.int64)
 
     def requests(after: Callable[[int, int], None]) -> None:
@@ -133,9 +133,8 @@ def _measure(pool: Any, transport: Any, info: Any, export: Any) -> None:
             io = jobs.submit(requests, lambda a, b: landed_q.put((a, b)))
             digests: list[int] = []
             for _ in chunks:
-                got = landed_q.get()
-                assert got is not None
-                digests += pool.hash_pages(slots[got[0] : got[1]], seed)
+                a, b = landed_q.get()
+                digests += pool.hash_pages(slots[a:b], seed)
             io.result()
             return digests
 
