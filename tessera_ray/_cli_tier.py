@@ -1,20 +1,62 @@
-"""``tessera-ray start`` / ``stop``: run the tier on an existing Ray cluster (Ray imported
-lazily here, so ``tessera-ray size`` stays fast and Ray-free)."""
+"""``tessera-ray start`` / ``stop``: run the tier on a running Ray cluster (Ray imported
+lazily here, so ``tessera-ray size`` stays fast and Ray-free).
+
+``start`` joins the cluster ``ray start`` runs on this machine (or ``--address``) and never
+starts a Ray of its own: the tier's detached actors would die with that Ray when the command
+exits. An embedded Ray is for ``make demo``, tests and :meth:`TesseraClient.start` in a
+long-lived process.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from tessera_ray._cli_config import UsageError, read_geometry
+
 __all__ = ["add_tier_commands"]
+
+
+def _join(address: str) -> str:
+    """Connect this process to the running Ray cluster at ``address``; its address."""
+    import logging
+
+    import ray
+
+    try:
+        if not ray.is_initialized():  # a caller in-process (tests) may be connected already
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    except ConnectionError as exc:
+        raise UsageError(
+            f"no running Ray cluster at --address {address!r} ({exc}); start one with "
+            "`ray start --head --node-ip-address 127.0.0.1` or pass the address of one"
+        ) from None
+    return str(ray.get_runtime_context().gcs_address)
 
 
 def _cmd_start(ns: argparse.Namespace) -> int:
     from tessera_ray.actors.client import TesseraClient
     from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+    from tessera_ray.layout import build_layout, config_from_dict
 
+    if (ns.model is None) == (ns.config is None):
+        raise UsageError("name the tier's model with exactly one of --model and --config")
+    layout = None
+    model = ns.model
+    if ns.config is not None:
+        data = read_geometry(ns.config)
+        if ns.format is not None:
+            data = {**data, "format": ns.format}
+        layout = build_layout(config_from_dict(data))
+        model = layout.model
+    address = _join(ns.address)
+    import ray
+
+    alive = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
+    nodes = len(alive)
+    print(f"tessera-ray: joined the Ray cluster at {address} ({nodes} nodes alive)")
     config = TierConfig(
-        model=ns.model,
+        model=model,
         format=ns.format,
         pool=PoolServiceConfig(
             num_blocks=ns.num_blocks,
@@ -25,7 +67,7 @@ def _cmd_start(ns: argparse.Namespace) -> int:
         num_shards=ns.shards,
         ray_namespace=ns.ray_namespace,
     )
-    client = TesseraClient.start(config, address=ns.address)
+    client = TesseraClient.start(config, layout=layout, address=ns.address)
     print(
         f"tessera-ray: {len(client.pools)} pools ({config.model}, {client.layout.block_bytes:,} B "
         f"per block, {config.pool.num_blocks:,} blocks each), {config.num_shards} directory "
@@ -47,8 +89,13 @@ def _cmd_stop(ns: argparse.Namespace) -> int:
 
 def add_tier_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     start = sub.add_parser("start", help="start the tier on a Ray cluster (detached actors)")
-    start.add_argument("--address", default=None, help="Ray address (default: auto-detect)")
-    start.add_argument("--model", required=True, help="layout preset (tessera-ray size --list)")
+    start.add_argument(
+        "--address",
+        default="auto",
+        help="Ray cluster to join (default: auto, the one `ray start` runs on this machine)",
+    )
+    start.add_argument("--model", help="layout preset (tessera-ray size --list)")
+    start.add_argument("--config", help="JSON file with a custom model geometry (see README)")
     start.add_argument("--format", default=None, help="storage format (default: the engine's)")
     start.add_argument("--num-blocks", type=int, required=True, help="token blocks per pool")
     start.add_argument("--device", default="cpu", help="pool memory: cpu or cuda")
@@ -58,6 +105,6 @@ def add_tier_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     start.add_argument("--ray-namespace", default="tessera", help="Ray namespace of the actors")
     start.set_defaults(handler=_cmd_start)
     stop = sub.add_parser("stop", help="stop the tier's actors (disk tiers stay on disk)")
-    stop.add_argument("--address", default=None, help="Ray address (default: auto-detect)")
+    stop.add_argument("--address", default="auto", help="Ray cluster (default: auto)")
     stop.add_argument("--ray-namespace", default="tessera", help="Ray namespace of the actors")
     stop.set_defaults(handler=_cmd_stop)

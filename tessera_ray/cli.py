@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from tessera_ray._cli_config import UsageError, read_geometry
 from tessera_ray._cli_demo import add_demo_command
 from tessera_ray._cli_status import add_status_command
 from tessera_ray._cli_tier import add_tier_commands
@@ -27,7 +28,7 @@ from tessera_ray.layout import (
 )
 from tessera_ray.layout.report import layout_json, render_layout, render_presets, usage_json
 
-__all__ = ["main"]
+__all__ = ["main", "UsageError"]
 
 PROG = "tessera-ray"
 PLOT_MODELS = (
@@ -39,10 +40,6 @@ PLOT_MODELS = (
 )
 
 
-class UsageError(TesseraError, ValueError):
-    """A command-line argument is wrong."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse prints usage plus the error; we print only the one line that says what is wrong."""
 
@@ -52,12 +49,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _layouts(ns: argparse.Namespace) -> list[ModelLayout]:
     if ns.config is not None:
-        try:
-            data = json.loads(Path(ns.config).read_text())
-        except OSError as exc:
-            raise UsageError(f"cannot read --config {ns.config!r}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--config {ns.config!r} is not valid JSON: {exc}") from None
+        data = read_geometry(ns.config)
         config = config_from_dict(data)
         changes = {}
         if ns.format is not None:

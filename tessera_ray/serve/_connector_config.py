@@ -63,6 +63,12 @@ class TesseraConnectorConfig:
     timeout_s: float = 30.0
     """Longest one batched tier call (lookup, read, store) may take; a read that times out is
     reported as a load error and vLLM recomputes the blocks."""
+    lookup_wait_s: float = 0.002
+    """Longest vLLM's scheduler thread waits for a tier lookup in one step; a lookup still on
+    its way then answers "ask again" and the request waits for the next step."""
+    max_pending_saves: int = 4
+    """Steps whose tier stores may run behind the engine (each holds its staged blocks in host
+    memory); a step beyond that waits for the oldest."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_KINDS:
@@ -77,21 +83,14 @@ class TesseraConnectorConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise TierConfigError(f"{_WHERE}: {name} must be a non-empty string or null")
-        if (
-            isinstance(self.local_num_blocks, bool)
-            or not isinstance(self.local_num_blocks, int)
-            or self.local_num_blocks <= 0
-        ):
-            raise TierConfigError(
-                f"{_WHERE}: local_num_blocks must be a positive integer, "
-                f"got {self.local_num_blocks!r}"
-            )
-        if (
-            isinstance(self.timeout_s, bool)
-            or not isinstance(self.timeout_s, int | float)
-            or not self.timeout_s > 0
-        ):
-            raise TierConfigError(f"{_WHERE}: timeout_s must be positive, got {self.timeout_s!r}")
+        for name in ("local_num_blocks", "max_pending_saves"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise TierConfigError(f"{_WHERE}: {name} must be a positive integer, got {value!r}")
+        for name in ("timeout_s", "lookup_wait_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise TierConfigError(f"{_WHERE}: {name} must be positive, got {value!r}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> TesseraConnectorConfig:

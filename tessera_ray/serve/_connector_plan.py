@@ -1,21 +1,36 @@
 """The scheduler side of the vLLM connector, in plain Python (no vLLM import).
 
-Per request it keeps the chained token keys of its full blocks, the vLLM block ids they live in,
-and how many leading blocks the tier already holds; per engine step it turns that into a small
-:class:`StepPlan` (what each worker loads and saves), which is all that crosses to the workers.
+Per request it keeps the chained token keys of its full tier blocks, the vLLM block ids its
+tokens live in, and how many leading tier blocks the tier already holds; per engine step it
+turns that into a small :class:`StepPlan` (what each worker loads and saves), which is all that
+crosses to the workers.
+
+The tier's block (64 tokens for MLA, FlashMLA's page) stays the unit of dedup and transfer
+whatever block size the engine runs: an engine block may hold several tier blocks (128, 256)
+or a tier block span several engine blocks (16, 32). Loads and saves therefore name token
+positions, and :class:`TokenRows` says where those positions sit in vLLM's paged cache. A load
+writes exactly the positions vLLM counts as externally computed, never a position the step
+itself writes nor one vLLM already holds (its own prefix-cache blocks may be shared by other
+requests).
 
 Token keys follow vLLM's block hashing inputs: each block's key chains the parent block's key
 and the block's token ids, and carries vLLM's extra keys of the block (LoRA adapter, multimodal
 inputs, prompt embeddings, the ``cache_salt``), the model's name and the tier layout's
 fingerprint. The ``cache_salt`` also picks the tenant namespace, so a request of another salt
 is a miss at the directory even for equal tokens.
+
+The scheduler thread never waits on the tier for long: a lookup runs in the background and
+:meth:`SchedulerPlanner.matched_tokens` answers ``None`` ("ask again next step") until it is
+back, waiting at most ``lookup_wait_s`` each time.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,6 +43,7 @@ from tessera_ray.layout import ModelLayout
 __all__ = [
     "BlockLoad",
     "BlockSave",
+    "TokenRows",
     "StepPlan",
     "NewScheduled",
     "CachedScheduled",
@@ -35,6 +51,7 @@ __all__ = [
     "ExtraKeysFn",
     "tenant_namespace",
     "check_paged_layout",
+    "check_block_sizes",
 ]
 
 log = logging.getLogger(__name__)
@@ -42,6 +59,8 @@ log = logging.getLogger(__name__)
 ExtraKeysFn = Callable[[Any, int, int, int], tuple[Any, int]]
 """``(request, start token, end token, multimodal index) -> (extra keys or None, next index)``:
 vLLM's per-block extra hash inputs (``generate_block_hash_extra_keys``)."""
+
+LookupFuture = concurrent.futures.Future[list[BlockHash | None]]
 
 
 class RequestLike(Protocol):
@@ -58,31 +77,79 @@ class RequestLike(Protocol):
 
 
 class TierLookup(Protocol):
-    def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]: ...
+    def lookup_async(self, namespace: str, keys: Sequence[TokenKey]) -> LookupFuture:
+        """Start one batched lookup; the future gives, per key, the block hash or ``None``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRows:
+    """Token positions ``[start, stop)`` of one request and where they live in vLLM's cache:
+    ``block_ids[i]`` is the engine block holding positions from ``first_position + i *
+    engine_tokens``. Position ``p`` is row ``block_ids[(p - first_position) // engine_tokens] *
+    engine_tokens + p % engine_tokens`` of a layer's cache viewed as one row per token."""
+
+    block_ids: tuple[int, ...]
+    first_position: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def cache_rows(self, engine_tokens: int, start: int | None = None) -> list[int]:
+        """The cache rows of positions ``[start or self.start, self.stop)``."""
+        first = self.start if start is None else start
+        return [
+            self.block_ids[(p - self.first_position) // engine_tokens] * engine_tokens
+            + p % engine_tokens
+            for p in range(first, self.stop)
+        ]
+
+    def blocks_from(self, position: int, engine_tokens: int) -> set[int]:
+        """The engine blocks holding positions ``[position, stop)``."""
+        first = max(position, self.start)
+        if first >= self.stop:
+            return set()
+        lo = (first - self.first_position) // engine_tokens
+        hi = (self.stop - 1 - self.first_position) // engine_tokens
+        return set(self.block_ids[lo : hi + 1])
+
+    def first_failed_position(self, failed: set[int], engine_tokens: int) -> int | None:
+        """Where vLLM recomputes from when ``failed`` engine blocks could not be loaded: the
+        first position of the first of them in this run."""
+        for i, block in enumerate(self.block_ids):
+            if block in failed:
+                return self.first_position + i * engine_tokens
+        return None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockLoad:
-    """Blocks of one request to load this step: ``block_ids[i]`` of vLLM's cache receives the
-    tier block under ``token_keys[i]``; ``block_hashes[i]`` is the hash the scheduler's lookup
-    saw (the load verifies the bytes against the hash the pool returns with them)."""
+    """Tier blocks of one request to load this step: the tier blocks under ``token_keys``
+    cover positions from ``tier_position`` on, ``len(token_keys)`` tier blocks long; only the
+    positions of ``rows`` are written into vLLM's cache. ``block_hashes[i]`` is the hash the
+    scheduler's lookup saw (the load verifies the bytes against the hash the pool returns with
+    them)."""
 
     req_id: str
     namespace: str
-    block_ids: tuple[int, ...]
     token_keys: tuple[TokenKey, ...]
     block_hashes: tuple[BlockHash, ...]
+    tier_position: int
+    rows: TokenRows
 
 
 @dataclass(frozen=True, slots=True)
 class BlockSave:
-    """Blocks of one request that became full this step: store ``block_ids[i]`` of vLLM's
-    cache under ``token_keys[i]``."""
+    """Tier blocks of one request that became full this step: the tier block under
+    ``token_keys[i]`` is positions ``rows.start + i * tier_tokens`` onwards, one tier block
+    long, read from vLLM's cache where ``rows`` says."""
 
     req_id: str
     namespace: str
-    block_ids: tuple[int, ...]
     token_keys: tuple[TokenKey, ...]
+    rows: TokenRows
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +182,26 @@ class CachedScheduled:
 
 
 @dataclass(slots=True)
+class _Lookup:
+    """A lookup in flight for the tier blocks ``first .. first + len(keys)`` of a request."""
+
+    first: int
+    keys: list[TokenKey]
+    future: LookupFuture
+    started_s: float
+
+
+@dataclass(slots=True)
+class _Match:
+    """The tier blocks a finished lookup found, from the position vLLM asked about."""
+
+    computed: int
+    first: int
+    keys: list[TokenKey]
+    hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
 class _Tracked:
     request: RequestLike
     namespace: str
@@ -122,11 +209,12 @@ class _Tracked:
     mm_index: int = 0
     block_ids: list[int] = field(default_factory=list)
     known_blocks: int = 0
-    """Leading blocks the tier holds or that were already handed to a worker to save."""
-    match: tuple[int, list[TokenKey], list[BlockHash]] | None = None
+    """Leading tier blocks the tier holds or that were already handed to a worker to save."""
+    lookup: _Lookup | None = None
+    match: _Match | None = None
     load: BlockLoad | None = None
-    loaded: tuple[int, tuple[int, ...]] = (0, ())
-    """The last load: the first block's index in the request, and its vLLM block ids."""
+    loaded: TokenRows | None = None
+    """Where the last load wrote, to map a failed engine block back to a tier block."""
 
 
 def tenant_namespace(base: str, cache_salt: str | None) -> str:
@@ -152,8 +240,22 @@ def check_paged_layout(layout: ModelLayout) -> int:
     return layout.groups[0].page.page_bytes
 
 
+def check_block_sizes(tier_tokens: int, engine_tokens: int) -> None:
+    """An engine block must hold whole tier blocks, or a tier block whole engine blocks."""
+    if engine_tokens <= 0 or (tier_tokens % engine_tokens and engine_tokens % tier_tokens):
+        raise LayoutError(
+            f"vLLM's block_size {engine_tokens} and the tier's block of {tier_tokens} tokens do "
+            f"not divide one another; run vLLM with a block_size that divides or is a multiple "
+            f"of {tier_tokens} (e.g. 16, 32, {tier_tokens}, {2 * tier_tokens})"
+        )
+
+
 def _no_extra_keys(request: Any, start: int, end: int, mm_index: int) -> tuple[Any, int]:
     return None, mm_index
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class SchedulerPlanner:
@@ -170,19 +272,20 @@ class SchedulerPlanner:
         can_load: bool,
         can_save: bool,
         extra_keys: ExtraKeysFn = _no_extra_keys,
+        lookup_wait_s: float = 0.002,
+        lookup_timeout_s: float = 30.0,
     ) -> None:
-        if block_tokens != layout.block_tokens:
-            raise LayoutError(
-                f"vLLM's block_size {block_tokens} differs from the tier's block of "
-                f"{layout.block_tokens} tokens; run vLLM with block_size={layout.block_tokens}"
-            )
+        check_block_sizes(layout.block_tokens, block_tokens)
         self.tier = tier
         self.layout = layout
         self.namespace = namespace
-        self.block_tokens = block_tokens
+        self.tier_tokens = layout.block_tokens
+        self.engine_tokens = block_tokens
         self.can_load = can_load
         self.can_save = can_save
         self.extra_keys = extra_keys
+        self.lookup_wait_s = lookup_wait_s
+        self.lookup_timeout_s = lookup_timeout_s
         self._plain_fingerprint = self._fingerprint(model_name, None)
         self._model_name = model_name
         self._requests: dict[str, _Tracked] = {}
@@ -201,8 +304,9 @@ class SchedulerPlanner:
         return tracked
 
     def _keys(self, tracked: _Tracked, num_blocks: int) -> list[TokenKey]:
-        """The chained keys of the first ``num_blocks`` blocks (extended as tokens arrive)."""
-        bs = self.block_tokens
+        """The chained keys of the first ``num_blocks`` tier blocks (extended as tokens
+        arrive)."""
+        bs = self.tier_tokens
         tokens = tracked.request.all_token_ids
         while len(tracked.keys) < num_blocks:
             start = len(tracked.keys) * bs
@@ -218,68 +322,97 @@ class SchedulerPlanner:
             )
         return tracked.keys[:num_blocks]
 
+    def _rows(self, tracked: _Tracked, start: int, stop: int) -> TokenRows:
+        """Where positions ``[start, stop)`` of ``tracked`` live in vLLM's cache."""
+        e = self.engine_tokens
+        first, last = start // e, _ceil_div(stop, e)
+        return TokenRows(tuple(tracked.block_ids[first:last]), first * e, start, stop)
+
     # ---------------------------------------------------------------- vLLM's scheduler hooks
 
-    def matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> int:
-        """Tokens past ``num_computed_tokens`` whose full blocks the tier holds (one lookup).
+    def matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> int | None:
+        """Tokens past ``num_computed_tokens`` whose tier blocks the tier holds, or ``None``
+        while the lookup (one batched call) is still on its way: vLLM asks again next step.
 
         The prompt's last token is never claimed: vLLM must compute at least one token to
-        sample from, so a block-aligned prompt leaves its last block to vLLM (as vLLM's own
-        connectors do)."""
+        sample from, so a block-aligned prompt leaves its last tier block to vLLM (as vLLM's
+        own connectors do)."""
         if not self.can_load:
             return 0
         tracked = self._track(request)
         tracked.match = None
-        bs = self.block_tokens
-        if num_computed_tokens % bs:
+        bs = self.tier_tokens
+        first, limit = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        if limit <= first:
+            tracked.lookup = None
             return 0
-        start, limit = num_computed_tokens // bs, (request.num_tokens - 1) // bs
-        if limit <= start:
-            return 0
-        keys = self._keys(tracked, limit)[start:limit]
+        keys = self._keys(tracked, limit)[first:limit]
+        pending = tracked.lookup
+        if pending is None or pending.first != first or pending.keys != keys:
+            try:
+                future = self.tier.lookup_async(tracked.namespace, keys)
+            except Exception as exc:  # a tier that is down is a miss, never a failed request
+                log.warning("tier lookup failed, treating as a miss: %s", exc)
+                return 0
+            pending = tracked.lookup = _Lookup(first, keys, future, time.monotonic())
         try:
-            found = self.tier.lookup(tracked.namespace, keys)
-        except Exception as exc:  # a tier that is down is a miss, never a failed request
+            found = pending.future.result(timeout=self.lookup_wait_s)
+        except TimeoutError:
+            if time.monotonic() - pending.started_s < self.lookup_timeout_s:
+                return None
+            pending.future.cancel()
+            tracked.lookup = None
+            log.warning("tier lookup took over %.1f s, treating as a miss", self.lookup_timeout_s)
+            return 0
+        except Exception as exc:
+            tracked.lookup = None
             log.warning("tier lookup failed, treating as a miss: %s", exc)
             return 0
+        tracked.lookup = None
         hashes: list[BlockHash] = []
         for h in found:
             if h is None:
                 break
             hashes.append(h)
-        if hashes:
-            tracked.match = (start, keys[: len(hashes)], hashes)
-        return len(hashes) * bs
+        if not hashes:
+            return 0
+        tracked.match = _Match(num_computed_tokens, first, keys[: len(hashes)], hashes)
+        return (first + len(hashes)) * bs - num_computed_tokens
 
     def after_alloc(
         self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        """Record the blocks vLLM allocated for the matched tokens: they are loaded this step."""
+        """Record the blocks vLLM allocated for the matched tokens: they are loaded this step,
+        exactly the ``num_external_tokens`` positions after the ones vLLM already holds."""
         tracked = self._track(request)
         match, tracked.match = tracked.match, None
         if num_external_tokens <= 0 or match is None:
             return
-        start, keys, hashes = match
-        # Whole blocks: should vLLM take fewer tokens than matched and end inside a block, that
-        # block is still loaded whole (vLLM recomputes past its own count).
-        n = -(-num_external_tokens // self.block_tokens)
-        if n > len(keys) or start + n > len(block_ids):
+        bs = self.tier_tokens
+        start = match.computed
+        stop = start + num_external_tokens
+        n = _ceil_div(stop, bs) - match.first
+        tracked.block_ids = list(block_ids)
+        if n > len(match.keys) or _ceil_div(stop, self.engine_tokens) > len(block_ids):
             raise LayoutError(
-                f"request {request.request_id}: vLLM allocated for {num_external_tokens} "
-                f"external tokens, more than the {len(keys)} blocks matched"
+                f"request {request.request_id}: vLLM allocated {len(block_ids)} blocks for "
+                f"{num_external_tokens} external tokens after {start}, more than the "
+                f"{len(match.keys)} tier blocks matched"
             )
+        rows = self._rows(tracked, start, stop)
         tracked.load = BlockLoad(
             request.request_id,
             tracked.namespace,
-            tuple(block_ids[start : start + n]),
-            tuple(keys[:n]),
-            tuple(hashes[:n]),
+            tuple(match.keys[:n]),
+            tuple(match.hashes[:n]),
+            match.first * bs,
+            rows,
         )
-        tracked.known_blocks = max(tracked.known_blocks, start + n)
-        tracked.loaded = (start, tracked.load.block_ids)
+        tracked.known_blocks = max(tracked.known_blocks, match.first + n)
+        tracked.loaded = rows
 
     def build(self, new: Sequence[NewScheduled], cached: Sequence[CachedScheduled]) -> StepPlan:
-        """This step's plan: pending loads, and every block that becomes full this step."""
+        """This step's plan: pending loads, and every tier block that becomes full this step."""
         loads: list[BlockLoad] = []
         saves: list[BlockSave] = []
         for tracked in self._requests.values():
@@ -312,7 +445,8 @@ class SchedulerPlanner:
         # Only tokens already in the request count: positions of speculative draft tokens
         # hold KV of tokens that may yet be rejected.
         done = min(done_tokens, len(tracked.request.all_token_ids))
-        full = min(done // self.block_tokens, len(tracked.block_ids))
+        bs = self.tier_tokens
+        full = min(done, len(tracked.block_ids) * self.engine_tokens) // bs
         if full <= tracked.known_blocks:
             return None
         keys = self._keys(tracked, full)
@@ -320,21 +454,25 @@ class SchedulerPlanner:
         return BlockSave(
             tracked.request.request_id,
             tracked.namespace,
-            tuple(tracked.block_ids[first:full]),
             tuple(keys[first:full]),
+            self._rows(tracked, first * bs, full * bs),
         )
 
     def load_failed(self, block_ids: set[int]) -> None:
-        """Workers could not load ``block_ids``: vLLM recomputes them from the first failed
-        block of each request, so those blocks are saved again once recomputed."""
+        """Workers could not load ``block_ids`` (engine blocks): vLLM recomputes them from the
+        first failed block of each request, so those tier blocks are saved again once
+        recomputed."""
         if not block_ids:
             return
         for tracked in self._requests.values():
-            start, ids = tracked.loaded
-            failed = [i for i, b in enumerate(ids) if b in block_ids]
-            if failed:
-                tracked.known_blocks = min(tracked.known_blocks, start + failed[0])
-                tracked.loaded = (0, ())
+            if tracked.loaded is None:
+                continue
+            position = tracked.loaded.first_failed_position(block_ids, self.engine_tokens)
+            if position is not None:
+                tracked.known_blocks = min(tracked.known_blocks, position // self.tier_tokens)
+                tracked.loaded = None
 
     def finished(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+        tracked = self._requests.pop(req_id, None)
+        if tracked is not None and tracked.lookup is not None:
+            tracked.lookup.future.cancel()

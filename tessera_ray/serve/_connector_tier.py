@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
@@ -48,6 +49,7 @@ __all__ = [
     "shared_local_tier",
     "payload_block_hash",
     "run_on_loop",
+    "submit_on_loop",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,9 +78,15 @@ class _LoopThread:
 _LOOP = _LoopThread()
 
 
+def submit_on_loop(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+    """Start ``coro`` on the connector's loop thread; its future, for a caller that must not
+    wait long (vLLM's scheduler thread)."""
+    return asyncio.run_coroutine_threadsafe(coro, _LOOP.loop())
+
+
 def run_on_loop(coro: Coroutine[Any, Any, _T], timeout_s: float) -> _T:
     """Run ``coro`` on the connector's loop thread and wait for it (at most ``timeout_s``)."""
-    future = asyncio.run_coroutine_threadsafe(coro, _LOOP.loop())
+    future = submit_on_loop(coro)
     try:
         return future.result(timeout_s)
     except TimeoutError:
@@ -112,10 +120,19 @@ class TierBackend(abc.ABC):
 
     layout: ModelLayout
     """The layout the tier stores pages in (token keys and hashes carry its fingerprint)."""
+    timeout_s: float
+    """Longest one batched call may take."""
 
     @abc.abstractmethod
+    def lookup_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[list[BlockHash | None]]:
+        """Start one batched lookup: per key, the hash of the block the tier holds under it,
+        or ``None`` (a miss). Returns at once; the scheduler waits on the future briefly."""
+
     def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]:
-        """Per key, the hash of the block the tier holds under it, or ``None`` (a miss)."""
+        """:meth:`lookup_async`, waited for."""
+        return self.lookup_async(namespace, keys).result(self.timeout_s)
 
     @abc.abstractmethod
     def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
@@ -151,9 +168,14 @@ class LocalTier(TierBackend):
     def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         return run_on_loop(coro, self.timeout_s)
 
-    def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]:
-        results = self._run(self.directory.lookup(namespace, list(keys)))
+    async def _lookup(self, namespace: str, keys: list[TokenKey]) -> list[BlockHash | None]:
+        results = await self.directory.lookup(namespace, keys)
         return [r.block_hash if r is not None else None for r in results]
+
+    def lookup_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[list[BlockHash | None]]:
+        return submit_on_loop(self._lookup(namespace, list(keys)))
 
     def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
         return self._run(self.service.read_blocks(namespace, list(keys)))
@@ -202,9 +224,14 @@ class RayTier(TierBackend):
             cred = self._credentials[namespace] = self.client.issue_credential(namespace)
         return cred
 
-    def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]:
-        results = self._run(self.client.alookup(self._access(namespace), list(keys)))
+    async def _lookup(self, namespace: str, keys: list[TokenKey]) -> list[BlockHash | None]:
+        results = await self.client.alookup(self._access(namespace), keys)
         return [r.block_hash if r is not None else None for r in results]
+
+    def lookup_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[list[BlockHash | None]]:
+        return submit_on_loop(self._lookup(namespace, list(keys)))
 
     async def _read(self, namespace: str, keys: list[TokenKey]) -> list[BlockRead | None]:
         access = self._access(namespace)

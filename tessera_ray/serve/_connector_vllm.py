@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-from tessera_ray.errors import LayoutError
+from tessera_ray.errors import LayoutError, TierConfigError
 from tessera_ray.layout import MLAConfig, ModelLayout, build_layout
 from tessera_ray.serve._connector_config import TesseraConnectorConfig
 from tessera_ray.serve._connector_plan import (
@@ -29,6 +29,7 @@ from tessera_ray.serve._connector_plan import (
     NewScheduled,
     SchedulerPlanner,
     StepPlan,
+    check_block_sizes,
     check_paged_layout,
 )
 from tessera_ray.serve._connector_tier import open_tier
@@ -64,7 +65,8 @@ def _served_name(vllm_config: VllmConfig) -> str:
 def _engine_layout(
     vllm_config: VllmConfig, config: TesseraConnectorConfig, model_name: str
 ) -> ModelLayout:
-    """The tier layout of the engine's cache: its MLA geometry in ``config.format``."""
+    """The tier layout of the engine's cache: its MLA geometry in ``config.format``, in the
+    tier's own block (whatever block size the engine runs)."""
     model = vllm_config.model_config
     if not model.use_mla:
         raise LayoutError(
@@ -82,38 +84,52 @@ def _engine_layout(
             qk_nope_head_dim=getattr(hf, "qk_nope_head_dim", 128),
             v_head_dim=getattr(hf, "v_head_dim", 128),
             format=config.format,
-            block_tokens=vllm_config.cache_config.block_size,
         )
     )
 
 
 def _check_engine(
-    tier: ModelLayout, engine: ModelLayout, kv_cache_config: KVCacheConfig | None
+    tier: ModelLayout,
+    engine: ModelLayout,
+    engine_tokens: int,
+    kv_cache_config: KVCacheConfig | None,
 ) -> None:
-    """The tier's pages must be the engine's cache pages, byte for byte."""
-    page = check_paged_layout(tier)
-    if (tier.num_layers, tier.block_tokens, page) != (
-        engine.num_layers,
-        engine.block_tokens,
-        check_paged_layout(engine),
-    ):
+    """The tier's pages must hold the engine's cache rows byte for byte, in blocks that divide
+    one another."""
+    page, engine_page = check_paged_layout(tier), check_paged_layout(engine)
+    row, engine_row = page // tier.block_tokens, engine_page // engine.block_tokens
+    if (tier.num_layers, row) != (engine.num_layers, engine_row):
         raise LayoutError(
             f"the tier stores {tier.model}/{tier.format_name}: {tier.num_layers} layers, "
-            f"{tier.block_tokens}-token blocks, {page} B pages; the engine has "
-            f"{engine.num_layers} layers, {engine.block_tokens}-token blocks, "
-            f"{check_paged_layout(engine)} B pages"
+            f"{row} B per token per layer; the engine has {engine.num_layers} layers, "
+            f"{engine_row} B per token per layer"
         )
+    check_block_sizes(tier.block_tokens, engine_tokens)
     if kv_cache_config is None:
         return
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise LayoutError(f"TesseraConnector needs one KV cache group, vLLM has {len(groups)}")
     spec = groups[0].kv_cache_spec
-    if spec.block_size != tier.block_tokens or spec.page_size_bytes != page:
+    if spec.block_size != engine_tokens or spec.page_size_bytes != row * spec.block_size:
         raise LayoutError(
             f"vLLM's cache pages are {spec.block_size} tokens / {spec.page_size_bytes} B, the "
-            f"tier's {tier.block_tokens} tokens / {page} B; match block_size and "
-            "kv_cache_dtype to the tier's format"
+            f"tier's rows {row} B per token; match kv_cache_dtype to the tier's format"
+        )
+
+
+def _check_backend(config: TesseraConnectorConfig, vllm_config: VllmConfig) -> None:
+    """``backend: local`` keeps the tier in one process: the scheduler's lookups only see
+    what the worker stored when both run in it."""
+    executor = vllm_config.parallel_config.distributed_executor_backend
+    if config.backend == "local" and executor != "uni":
+        raise TierConfigError(
+            "kv_connector_extra_config: backend 'local' keeps the tier inside one process, but "
+            f"this engine runs its workers in other processes than its scheduler "
+            f"(distributed_executor_backend={executor!r}), so it could never hit; use backend "
+            "'ray' with a running tier (tessera-ray start), or a single-process engine "
+            "(distributed_executor_backend='uni'; on vLLM's CPU build also "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0)"
         )
 
 
@@ -149,10 +165,12 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 "TesseraConnector stores whole blocks of every layer: pipeline and decode "
                 "context parallelism are not supported"
             )
+        _check_backend(self.config, vllm_config)
         model_name = self.config.model_name or _served_name(vllm_config)
         engine_layout = _engine_layout(vllm_config, self.config, model_name)
+        engine_tokens = vllm_config.cache_config.block_size
         self.tier = open_tier(self.config, engine_layout)
-        _check_engine(self.tier.layout, engine_layout, kv_cache_config)
+        _check_engine(self.tier.layout, engine_layout, engine_tokens, kv_cache_config)
         self.planner: SchedulerPlanner | None = None
         self.mover: WorkerMover | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -161,10 +179,12 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 self.tier.layout,
                 namespace=self.config.namespace,
                 model_name=model_name,
-                block_tokens=vllm_config.cache_config.block_size,
+                block_tokens=engine_tokens,
                 can_load=transfer.is_kv_consumer,
                 can_save=transfer.is_kv_producer,
                 extra_keys=generate_block_hash_extra_keys,
+                lookup_wait_s=self.config.lookup_wait_s,
+                lookup_timeout_s=self.config.timeout_s,
             )
         else:
             # MLA caches are replicated across tensor-parallel ranks: every rank loads, one
@@ -172,8 +192,10 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             self.mover = WorkerMover(
                 self.tier,
                 self.tier.layout,
+                engine_tokens=engine_tokens,
                 can_save=transfer.is_kv_producer and _tp_rank() == 0,
                 timeout_s=self.config.timeout_s,
+                max_pending_saves=self.config.max_pending_saves,
             )
 
     @classmethod
@@ -195,6 +217,8 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        # None: the tier lookup is still on its way; vLLM skips the request this step and asks
+        # again, so a slow tier never stalls the scheduler.
         return self._planner().matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(
@@ -228,7 +252,8 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves are synchronous (wait_for_save), so vLLM may free the blocks at once.
+        # A save copies its rows out of vLLM's cache within the step that completes them (the
+        # tier store runs later from that copy), so vLLM may free the blocks at once.
         self._planner().finished(request.request_id)
         return False, None
 
@@ -268,4 +293,6 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         # The tier outlives the engine (a shared local tier serves the process's other
         # connectors; the Ray tier serves the cluster): only this worker's reader thread ends.
         if self.mover is not None:
+            if not self.mover.flush(self.config.timeout_s):
+                log.warning("tier stores still running at shutdown; dropping them")
             self.mover.close()

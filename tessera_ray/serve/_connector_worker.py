@@ -1,27 +1,36 @@
-"""The worker side of the vLLM connector: moving whole blocks between vLLM's paged MLA cache and
+"""The worker side of the vLLM connector: moving tier blocks between vLLM's paged MLA cache and
 the tier, layer by layer (torch only, no vLLM import).
 
 vLLM's MLA cache is one tensor per layer, ``[num_blocks, block_size, 576]`` (the latent and the
-RoPE key of each token); a tier block is one such page of every layer, in layer order. A page
-moves as raw bytes (a dtype view, never a conversion), so what is loaded is byte-identical to
-what was saved.
+RoPE key of each token). Viewed as one row per token, position ``p`` of a request is a row that
+:class:`TokenRows` names; a tier block is the rows of its positions in every layer, in layer
+order. Rows move as raw bytes (a dtype view, never a conversion), so what is loaded is
+byte-identical to what was saved, and the engine's block size may differ from the tier's.
 
-Loads never leave a partial block in vLLM's cache. The step's blocks are read into a staging
-buffer first and each block's bytes are checked against the block hash the pool sealed them
-under (recomputed from the bytes as the pool computes it). That hash, not the one the
+Loads never leave a partial tier block in vLLM's cache. The step's tier blocks are read into a
+staging buffer first and each block's bytes are checked against the block hash the pool sealed
+them under (recomputed from the bytes as the pool computes it). That hash, not the one the
 scheduler's lookup returned, is the check: under one token key another pool may hold
 different, equally valid bytes (KV recomputed by an engine that is not bitwise reproducible),
 and refusing those would recompute the block on every request. Only verified blocks are
-copied into the cache, one layer at a time as each attention layer asks for it; a block that is
-missing or fails the check, and every later block of the same request, is not copied at all and
-is reported as a load error, so vLLM recomputes from there. Zeroing or restoring failed blocks
-afterwards would need a second copy of the cache; staging costs one block buffer per loaded
-block instead.
+copied into the cache, one layer at a time as each attention layer asks for it, and only the
+positions vLLM counts as loaded; a block that is missing or fails the check, and every later
+block of the same request, is not copied at all and its engine blocks are reported as load
+errors, so vLLM recomputes from there.
+
+A layer's load is copied when its attention asks for it (``wait_for_layer_load``), after vLLM
+wrote the step's own KV: the positions are disjoint, so the order does not matter. A layer whose
+attention ran without asking would have attended to missing context: its loads are not copied
+late but reported as failed, so vLLM recomputes them.
+
+Saves copy the rows of tier blocks completed this step into host staging rows as each layer's
+attention finishes; the tier store itself runs on a background thread, off the forward path.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +42,12 @@ from tessera_ray.actors.messages import BlockRead
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError
 from tessera_ray.layout import ModelLayout
-from tessera_ray.serve._connector_plan import BlockLoad, StepPlan, check_paged_layout
+from tessera_ray.serve._connector_plan import (
+    BlockLoad,
+    StepPlan,
+    check_block_sizes,
+    check_paged_layout,
+)
 from tessera_ray.serve._connector_tier import TierBackend, payload_block_hash
 
 __all__ = ["WorkerMover", "LoadOutcome"]
@@ -43,30 +57,55 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class LoadOutcome:
-    """A step's verified blocks (staged rows) and what failed."""
+    """A step's verified tier blocks (staged rows), where their positions go, and what
+    failed."""
 
-    block_ids: list[int] = field(default_factory=list)
     rows: torch.Tensor | None = None
-    """uint8 ``[len(block_ids), block_bytes]``: the verified payloads, in ``block_ids`` order."""
+    """uint8 ``[verified tier blocks, block_bytes]``: the verified payloads."""
+    src: torch.Tensor | None = None
+    """Per position loaded, its token row among the staged tier blocks (``block * T + r``)."""
+    dst: torch.Tensor | None = None
+    """Per position loaded, its row in a layer's cache viewed as one row per token."""
     failed_blocks: set[int] = field(default_factory=set)
     failed_requests: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Layer:
+    index: int
+    rows: torch.Tensor
+    """The layer's cache as ``[tokens, row elements]`` (a view, no copy)."""
 
 
 class WorkerMover:
     """Per worker: the registered caches and this step's loads and saves."""
 
     def __init__(
-        self, tier: TierBackend, layout: ModelLayout, *, can_save: bool, timeout_s: float
+        self,
+        tier: TierBackend,
+        layout: ModelLayout,
+        *,
+        engine_tokens: int,
+        can_save: bool,
+        timeout_s: float,
+        max_pending_saves: int = 4,
     ) -> None:
         self.tier = tier
         self.layout = layout
         self.page_bytes = check_paged_layout(layout)
+        self.tier_tokens = layout.block_tokens
+        check_block_sizes(self.tier_tokens, engine_tokens)
+        self.engine_tokens = engine_tokens
+        self.row_bytes = self.page_bytes // self.tier_tokens
         self.can_save = can_save
         self.timeout_s = timeout_s
-        self._layers: dict[str, tuple[int, torch.Tensor]] = {}
+        self._layers: dict[str, _Layer] = {}
         # Reads run on their own thread, so start_load_kv returns at once and the first layers'
-        # work before attention overlaps the tier round trip.
+        # work before attention overlaps the tier round trip; stores on another, off the
+        # forward path, at most max_pending_saves steps behind.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-save")
+        self._save_slots = threading.BoundedSemaphore(max_pending_saves)
         self._reset()
 
     def _reset(self) -> None:
@@ -74,7 +113,8 @@ class WorkerMover:
         self._pending: Future[LoadOutcome] | None = None
         self._outcome: LoadOutcome | None = None
         self._copied: set[int] = set()
-        self._save_ids: torch.Tensor | None = None
+        self._late = False
+        self._save_src: torch.Tensor | None = None
         self._save_rows: torch.Tensor | None = None
         self._saved_layers: set[int] = set()
 
@@ -83,19 +123,25 @@ class WorkerMover:
     def register(
         self, kv_caches: Mapping[str, torch.Tensor], layer_index: Callable[[str], int]
     ) -> None:
-        """Learn vLLM's per-layer caches; each must hold the layout's page per block."""
-        layers: dict[str, tuple[int, torch.Tensor]] = {}
+        """Learn vLLM's per-layer caches: each a contiguous tensor of blocks whose per-token
+        rows (its last dimension; the others of size 1 or the block's tokens) are the tier
+        page's per-token rows, byte for byte (vLLM's CPU build shapes MLA caches
+        ``[blocks, 1, tokens, 576]``, the GPU backends ``[blocks, tokens, 576]``)."""
+        layers: dict[str, _Layer] = {}
         for name, kv in kv_caches.items():
             index = layer_index(name)
-            page = kv[0].numel() * kv.element_size() if kv.dim() > 1 and len(kv) else 0
-            if page != self.page_bytes:
+            row_elems = kv.shape[-1] if kv.dim() >= 2 else 0
+            row = row_elems * kv.element_size()
+            inner = [d for d in kv.shape[1:-1] if d != 1]
+            if row != self.row_bytes or not kv.is_contiguous() or len(inner) != 1:
                 raise LayoutError(
-                    f"vLLM cache of layer {name} holds {page} bytes per block, the tier layout "
-                    f"{self.layout.model}/{self.layout.format_name} {self.page_bytes}; the "
-                    "kv_cache_dtype and block_size must match the tier's page format"
+                    f"vLLM cache of layer {name} ({tuple(kv.shape)} {kv.dtype}) holds {row} bytes "
+                    f"per token, the tier layout {self.layout.model}/{self.layout.format_name} "
+                    f"{self.row_bytes}, in a contiguous cache of token rows; the kv_cache_dtype "
+                    "must match the tier's page format"
                 )
-            layers[name] = (index, kv)
-        indices = sorted(i for i, _ in layers.values())
+            layers[name] = _Layer(index, kv.view(-1, row_elems))
+        indices = sorted(layer.index for layer in layers.values())
         if indices != list(range(self.layout.num_layers)):
             raise LayoutError(
                 f"vLLM registered cache layers {indices}, the tier layout has layers "
@@ -114,9 +160,10 @@ class WorkerMover:
         self._reset()
         self._plan = plan
         if plan.saves and self.can_save:
-            ids = [b for s in plan.saves for b in s.block_ids]
-            self._save_ids = torch.tensor(ids, dtype=torch.long)
-            self._save_rows = torch.empty((len(ids), self.layout.block_bytes), dtype=torch.uint8)
+            rows = [r for s in plan.saves for r in s.rows.cache_rows(self.engine_tokens)]
+            self._save_src = torch.tensor(rows, dtype=torch.long)
+            blocks = len(rows) // self.tier_tokens
+            self._save_rows = torch.empty((blocks, self.layout.block_bytes), dtype=torch.uint8)
 
     def start(self, plan: StepPlan) -> None:
         """Begin this step's loads: read and verify them in the background."""
@@ -130,7 +177,10 @@ class WorkerMover:
         for load in loads:
             by_ns.setdefault(load.namespace, []).append(load)
         staged: list[np.ndarray] = []
+        src: list[int] = []
+        dst: list[int] = []
         unverified: dict[str, list[TokenKey]] = {}
+        t, e = self.tier_tokens, self.engine_tokens
         for namespace, group in by_ns.items():
             keys = [k for load in group for k in load.token_keys]
             try:
@@ -140,10 +190,8 @@ class WorkerMover:
                 blocks = [None] * len(keys)
             it = iter(blocks)
             for load in group:
-                ok = True
-                for block_id, key, looked_up in zip(
-                    load.block_ids, load.token_keys, load.block_hashes, strict=True
-                ):
+                good, ok = 0, True
+                for key, looked_up in zip(load.token_keys, load.block_hashes, strict=True):
                     block = next(it)
                     if ok and block is not None and not self._verified(namespace, block, looked_up):
                         unverified.setdefault(namespace, []).append(key)
@@ -151,15 +199,24 @@ class WorkerMover:
                     ok = ok and block is not None
                     if ok:
                         assert block is not None
-                        outcome.block_ids.append(block_id)
                         staged.append(block.payload)
-                    else:
-                        # This block and every later one of the request: vLLM recomputes
-                        # from the first failed block, so later ones would be overwritten.
-                        outcome.failed_blocks.add(block_id)
-                        outcome.failed_requests.add(load.req_id)
+                        good += 1
+                # Staged tier block i of this load is token rows (first + i) * t onwards.
+                first = len(staged) - good
+                end = min(load.rows.stop, load.tier_position + good * t)
+                if end > load.rows.start:
+                    dst.extend(load.rows.cache_rows(e)[: end - load.rows.start])
+                    base = first * t - load.tier_position
+                    src.extend(range(base + load.rows.start, base + end))
+                if end < load.rows.stop:
+                    # This tier block and every later one of the request: vLLM recomputes
+                    # from the first failed engine block, so later ones would be overwritten.
+                    outcome.failed_blocks |= load.rows.blocks_from(end, e)
+                    outcome.failed_requests.add(load.req_id)
         if staged:
             outcome.rows = torch.from_numpy(np.stack(staged))
+            outcome.src = torch.tensor(src, dtype=torch.long)
+            outcome.dst = torch.tensor(dst, dtype=torch.long)
         for namespace, keys in unverified.items():
             try:  # the tier drops what rotted in it, so the next save stores it afresh
                 self.tier.report_unverified(namespace, keys)
@@ -185,58 +242,74 @@ class WorkerMover:
                 self._outcome = self._pending.result(self.timeout_s)
             except Exception as exc:
                 log.warning("tier read did not finish: %s; recomputing its blocks", exc)
-                self._outcome = LoadOutcome(
-                    failed_blocks={b for load in self._plan.loads for b in load.block_ids},
-                    failed_requests={load.req_id for load in self._plan.loads},
-                )
+                self._outcome = self._all_failed()
         return self._outcome
 
-    def _copy_layer(self, index: int, kv: torch.Tensor) -> None:
+    def _all_failed(self) -> LoadOutcome:
+        e = self.engine_tokens
+        return LoadOutcome(
+            failed_blocks={b for load in self._plan.loads for b in load.rows.blocks_from(0, e)},
+            failed_requests={load.req_id for load in self._plan.loads},
+        )
+
+    def _copy_layer(self, layer: _Layer) -> None:
         outcome = self._loaded()
-        if outcome is None or outcome.rows is None or index in self._copied:
+        if outcome is None or outcome.rows is None or layer.index in self._copied:
             return
-        self._copied.add(index)
-        offset = index * self.page_bytes
+        assert outcome.src is not None and outcome.dst is not None
+        self._copied.add(layer.index)
+        offset = layer.index * self.page_bytes
         pages = outcome.rows[:, offset : offset + self.page_bytes].contiguous()
-        src = pages.view(kv.dtype).reshape(len(outcome.block_ids), *kv.shape[1:])
-        ids = torch.tensor(outcome.block_ids, dtype=torch.long, device=kv.device)
-        kv.index_copy_(0, ids, src.to(kv.device))
+        tokens = pages.view(-1, self.row_bytes).view(layer.rows.dtype)
+        src = tokens.index_select(0, outcome.src).to(layer.rows.device)
+        layer.rows.index_copy_(0, outcome.dst.to(layer.rows.device), src)
 
     def wait_layer(self, plan: StepPlan, name: str) -> None:
         """Make layer ``name``'s share of this step's verified blocks present in its cache."""
         self._step(plan)
-        entry = self._layers.get(name)
-        if entry is not None and self._pending is not None:
-            self._copy_layer(*entry)
+        layer = self._layers.get(name)
+        if layer is not None and self._pending is not None:
+            self._copy_layer(layer)
 
     # ---------------------------------------------------------------- saves
 
     def save_layer(self, plan: StepPlan, name: str, kv: torch.Tensor) -> None:
-        """Copy layer ``name``'s pages of the blocks completed this step into the staging rows
-        (vLLM has written this step's KV of the layer by now)."""
+        """Copy layer ``name``'s rows of the tier blocks completed this step into the staging
+        rows (vLLM has written this step's KV of the layer by now)."""
         self._step(plan)
-        entry = self._layers.get(name)
-        if entry is None or self._save_ids is None or self._save_rows is None:
+        layer = self._layers.get(name)
+        if layer is None or self._save_src is None or self._save_rows is None:
             return
-        index = entry[0]
-        n = len(self._save_ids)
-        pages = kv.index_select(0, self._save_ids.to(kv.device)).reshape(n, -1)
-        offset = index * self.page_bytes
-        self._save_rows[:, offset : offset + self.page_bytes] = pages.view(torch.uint8).cpu()
-        self._saved_layers.add(index)
+        n = len(self._save_rows)
+        rows = layer.rows.index_select(0, self._save_src.to(layer.rows.device))
+        offset = layer.index * self.page_bytes
+        self._save_rows[:, offset : offset + self.page_bytes] = (
+            rows.view(torch.uint8).reshape(n, self.page_bytes).cpu()
+        )
+        self._saved_layers.add(layer.index)
 
     def finish(self, plan: StepPlan) -> None:
-        """End of the step: complete every layer's loads, then store the staged blocks.
+        """End of the step: settle this step's loads, then hand the staged tier blocks to the
+        background store.
 
-        Blocks of a request whose load failed this step are not stored: that request's tokens
-        this step attended to blocks that were not there."""
+        Tier blocks of a request whose load failed this step are not stored: that request's
+        tokens this step attended to blocks that were not there."""
         self._step(plan)
         if self._pending is not None:
-            for index, kv in self._layers.values():
-                self._copy_layer(index, kv)
-        rows, save_ids = self._save_rows, self._save_ids
-        self._save_rows = self._save_ids = None  # stored once, even if finish runs twice
-        if rows is None or save_ids is None:
+            missed = [layer for layer in self._layers.values() if layer.index not in self._copied]
+            outcome = self._loaded()
+            if missed and outcome is not None and outcome.rows is not None:
+                log.error(
+                    "vLLM ran attention of %d layers without waiting for their loads; "
+                    "reporting this step's loaded blocks as failed so vLLM recomputes them",
+                    len(missed),
+                )
+                late = self._all_failed()
+                outcome.failed_blocks |= late.failed_blocks
+                outcome.failed_requests |= late.failed_requests
+        rows, save_src = self._save_rows, self._save_src
+        self._save_rows = self._save_src = None  # stored once, even if finish runs twice
+        if rows is None or save_src is None:
             return
         if len(self._saved_layers) != self.layout.num_layers:
             log.warning("only %d layers saved this step; not storing", len(self._saved_layers))
@@ -248,16 +321,35 @@ class WorkerMover:
             if save.req_id not in failed:
                 keys, idx = by_ns.setdefault(save.namespace, ([], []))
                 keys.extend(save.token_keys)
-                idx.extend(range(at, at + len(save.block_ids)))
-            at += len(save.block_ids)
-        for namespace, (keys, idx) in by_ns.items():
-            try:
-                self.tier.store(namespace, keys, rows[idx].numpy())
-            except Exception as exc:  # a save that fails is a later miss, never a failed step
-                log.warning("tier store of %d blocks failed: %s", len(keys), exc)
+                idx.extend(range(at, at + len(save.token_keys)))
+            at += len(save.token_keys)
+        if not by_ns:
+            return
+        self._save_slots.acquire()  # bounded: a tier slower than the engine holds it here
+        self._writer.submit(self._store, by_ns, rows)
+
+    def _store(
+        self, by_ns: dict[str, tuple[list[TokenKey], list[int]]], rows: torch.Tensor
+    ) -> None:
+        try:
+            for namespace, (keys, idx) in by_ns.items():
+                try:
+                    self.tier.store(namespace, keys, rows[idx].numpy())
+                except Exception as exc:  # a save that fails is a later miss, never an error
+                    log.warning("tier store of %d blocks failed: %s", len(keys), exc)
+        finally:
+            self._save_slots.release()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every store handed over so far is done; ``False`` on timeout."""
+        try:
+            self._writer.submit(lambda: None).result(timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def take_load_errors(self) -> set[int]:
-        """Block ids whose load failed this step (reported once)."""
+        """Engine block ids whose load failed this step (reported once)."""
         outcome = self._loaded() if self._pending is not None else None
         if outcome is None:
             return set()
@@ -266,3 +358,4 @@ class WorkerMover:
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
+        self._writer.shutdown(wait=True)

@@ -23,7 +23,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tessera_ray.serve._connector_config import BACKEND_KINDS, TesseraConnectorConfig
-from tessera_ray.serve._connector_plan import BlockLoad, BlockSave, StepPlan, tenant_namespace
+from tessera_ray.serve._connector_plan import (
+    BlockLoad,
+    BlockSave,
+    StepPlan,
+    TokenRows,
+    tenant_namespace,
+)
 
 if TYPE_CHECKING:
     from tessera_ray.serve._connector_vllm import TesseraConnector, TesseraConnectorMetadata
@@ -36,6 +42,7 @@ __all__ = [
     "StepPlan",
     "BlockLoad",
     "BlockSave",
+    "TokenRows",
     "tenant_namespace",
 ]
 

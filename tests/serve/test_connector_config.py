@@ -4,6 +4,7 @@ agree with the tier (vLLM itself is exercised in tests/vllm, ``make test-vllm``)
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,9 +20,11 @@ from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.serve import connector
 from tessera_ray.serve._connector_plan import (
     BlockLoad,
+    CachedScheduled,
     NewScheduled,
     SchedulerPlanner,
     StepPlan,
+    TokenRows,
 )
 from tessera_ray.serve._connector_tier import LocalTier, payload_block_hash
 from tessera_ray.serve._connector_worker import WorkerMover
@@ -83,25 +86,48 @@ class _Request:
 
 
 class _Tier:
+    """A directory stand-in; ``hold`` keeps lookups in flight until released."""
+
     def __init__(self) -> None:
         self.held: dict[tuple[str, TokenKey], BlockHash] = {}
         self.calls = 0
+        self.hold = False
+        self.pending: list[tuple[concurrent.futures.Future[Any], list[BlockHash | None]]] = []
 
-    def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockHash | None]:
+    def lookup_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[list[BlockHash | None]]:
         self.calls += 1
-        return [self.held.get((namespace, k)) for k in keys]
+        future: concurrent.futures.Future[list[BlockHash | None]] = concurrent.futures.Future()
+        answer = [self.held.get((namespace, k)) for k in keys]
+        if self.hold:
+            self.pending.append((future, answer))
+        else:
+            future.set_result(answer)
+        return future
+
+    def release(self) -> None:
+        for future, answer in self.pending:
+            future.set_result(answer)
+        self.pending.clear()
 
 
-def _planner(tier: _Tier) -> SchedulerPlanner:
+def _planner(tier: _Tier, engine_tokens: int = 64) -> SchedulerPlanner:
     return SchedulerPlanner(
         tier,
         LAYOUT,
         namespace="app",
         model_name="m",
-        block_tokens=64,
+        block_tokens=engine_tokens,
         can_load=True,
         can_save=True,
     )
+
+
+def _store_saves(tier: _Tier, plan: StepPlan) -> None:
+    for save in plan.saves:
+        for i, key in enumerate(save.token_keys):
+            tier.held[(save.namespace, key)] = BlockHash(len(tier.held) + i + 1)
 
 
 def test_planner_saves_full_blocks_and_matches_them_in_one_lookup() -> None:
@@ -110,9 +136,9 @@ def test_planner_saves_full_blocks_and_matches_them_in_one_lookup() -> None:
     writer.matched_tokens(_Request("a", tokens), 0)
     plan = writer.build([NewScheduled("a", list(range(10, 14)), 0, 200)], [])
     (save,) = plan.saves
-    assert save.block_ids == (10, 11, 12) and len(set(save.token_keys)) == 3
-    for i, key in enumerate(save.token_keys):
-        tier.held[(save.namespace, key)] = BlockHash(i + 1)
+    assert len(set(save.token_keys)) == 3
+    assert save.rows == TokenRows((10, 11, 12), 0, 0, 192)
+    _store_saves(tier, plan)
 
     reader = _planner(tier)
     tier.calls = 0
@@ -122,17 +148,100 @@ def test_planner_saves_full_blocks_and_matches_them_in_one_lookup() -> None:
     assert reader.matched_tokens(_Request("d", [*tokens[:192], 7], "other"), 0) == 0
 
 
-def test_planner_refuses_a_block_size_other_than_the_tiers() -> None:
-    with pytest.raises(LayoutError, match="block_size=64"):
-        SchedulerPlanner(
-            _Tier(),
-            LAYOUT,
-            namespace="a",
-            model_name="m",
-            block_tokens=16,
-            can_load=True,
-            can_save=True,
-        )
+@pytest.mark.parametrize("engine_tokens", [16, 32, 64, 128, 256])
+def test_planner_maps_engine_blocks_onto_tier_blocks(engine_tokens: int) -> None:
+    """Tier blocks stay 64 tokens whatever block size vLLM runs: saves read the rows of each
+    64 positions wherever vLLM's blocks put them, and a load writes exactly the positions vLLM
+    counts as external (a hit that ends inside an engine block leaves the rest of that block
+    to vLLM's own computation)."""
+    tier, tokens = _Tier(), list(range(1, 331))  # 5 full tier blocks and 10 tokens
+    writer = _planner(tier, engine_tokens)
+    n_engine = -(-len(tokens) // engine_tokens)
+    ids = [100 + 3 * i for i in range(n_engine)]  # scattered, as vLLM's free list hands out
+    writer.matched_tokens(_Request("a", tokens), 0)
+    plan = writer.build([NewScheduled("a", ids, 0, len(tokens))], [])
+    (save,) = plan.saves
+    assert len(save.token_keys) == 5 and (save.rows.start, save.rows.stop) == (0, 320)
+    rows = save.rows.cache_rows(engine_tokens)
+    assert rows == [ids[p // engine_tokens] * engine_tokens + p % engine_tokens for p in range(320)]
+    _store_saves(tier, plan)
+
+    # Another engine, same prompt: 5 tier blocks are there; vLLM gets 320 tokens.
+    reader = _planner(tier, engine_tokens)
+    request = _Request("b", tokens)
+    assert reader.matched_tokens(request, 0) == 320
+    other_ids = [7 + 5 * i for i in range(n_engine)]
+    reader.after_alloc(request, other_ids, 320)
+    plan = reader.build([NewScheduled("b", other_ids, 320, 10)], [])
+    (load,) = plan.loads
+    assert load.token_keys == save.token_keys and load.tier_position == 0
+    assert (load.rows.start, load.rows.stop) == (0, 320)
+    assert load.rows.cache_rows(engine_tokens) == [
+        other_ids[p // engine_tokens] * engine_tokens + p % engine_tokens for p in range(320)
+    ]
+    assert plan.saves == ()  # what was loaded is not stored again
+
+    # vLLM takes fewer tokens than matched (200 of 320): only positions 0..199 are loaded,
+    # from the 4 tier blocks that cover them; the step computes from 200 on.
+    short = _planner(tier, engine_tokens)
+    request = _Request("c", tokens)
+    assert short.matched_tokens(request, 0) == 320
+    short.after_alloc(request, other_ids, 200)
+    (load,) = short.build([NewScheduled("c", other_ids, 200, 130)], []).loads
+    assert len(load.token_keys) == 4 and (load.rows.start, load.rows.stop) == (0, 200)
+
+
+def test_planner_loads_after_a_local_hit_that_ends_inside_a_tier_block() -> None:
+    """vLLM with 16-token blocks may already hold 80 tokens (5 of its blocks): the load starts
+    at position 80, inside tier block 1, and never writes a row vLLM holds itself."""
+    tier, tokens = _Tier(), list(range(1, 331))
+    writer = _planner(tier, 16)
+    ids = list(range(21))
+    writer.matched_tokens(_Request("a", tokens), 0)
+    _store_saves(tier, writer.build([NewScheduled("a", ids, 0, 330)], []))
+    reader = _planner(tier, 16)
+    request = _Request("b", tokens)
+    assert reader.matched_tokens(request, 80) == 320 - 80
+    reader.after_alloc(request, ids, 240)
+    (load,) = reader.build([NewScheduled("b", ids, 320, 10)], []).loads
+    assert load.tier_position == 64 and len(load.token_keys) == 4
+    assert (load.rows.start, load.rows.stop) == (80, 320)
+    assert min(load.rows.cache_rows(16)) == 80
+
+
+def test_planner_answers_ask_again_while_the_lookup_is_out() -> None:
+    """The scheduler thread never waits on a slow tier: a lookup still in flight answers None
+    (vLLM skips the request this step) and the next call takes its answer, one lookup in all."""
+    tier, tokens = _Tier(), list(range(1, 201))
+    writer = _planner(tier)
+    writer.matched_tokens(_Request("a", tokens), 0)
+    _store_saves(tier, writer.build([NewScheduled("a", [1, 2, 3, 4], 0, 200)], []))
+    reader = _planner(tier)
+    tier.hold, tier.calls = True, 0
+    request = _Request("b", tokens)
+    assert reader.matched_tokens(request, 0) is None
+    assert reader.matched_tokens(request, 0) is None
+    tier.release()
+    assert reader.matched_tokens(request, 0) == 192
+    assert tier.calls == 1
+
+
+def test_planner_saves_a_tier_block_once_its_last_engine_block_is_computed() -> None:
+    """With 16-token engine blocks a tier block fills over several steps: it is saved in the
+    step that computes its 64th position, from the four engine blocks that hold it."""
+    tier, tokens = _Tier(), list(range(1, 101))
+    planner = _planner(tier, 16)
+    planner.matched_tokens(_Request("a", tokens), 0)
+    plan = planner.build([NewScheduled("a", [9, 8, 7], 0, 40)], [])
+    assert plan.saves == ()
+    plan = planner.build([], [CachedScheduled("a", [6, 5], False, 40, 30)])
+    (save,) = plan.saves
+    assert save.rows.cache_rows(16) == [b * 16 + r for b in (9, 8, 7, 6) for r in range(16)]
+
+
+def test_planner_refuses_block_sizes_that_do_not_divide() -> None:
+    with pytest.raises(LayoutError, match=r"block_size 48 .* 64 tokens"):
+        _planner(_Tier(), 48)
 
 
 def test_load_verification_hash_is_the_pools_block_hash() -> None:
@@ -153,17 +262,95 @@ def test_load_verification_hash_is_the_pools_block_hash() -> None:
     assert payload_block_hash(LAYOUT, "other", rows[1]) != hashes[1]
 
 
-def _mover(tier: LocalTier, num_blocks: int) -> tuple[WorkerMover, dict[str, torch.Tensor]]:
+ROW_VALUES = LAYOUT.groups[0].page.page_bytes // 2 // LAYOUT.block_tokens
+
+
+def _mover(
+    tier: LocalTier, num_blocks: int, engine_tokens: int = 64, can_save: bool = False
+) -> tuple[WorkerMover, dict[str, torch.Tensor]]:
     """A worker mover over ``num_blocks``-block bf16 caches of LAYOUT, one per layer."""
-    page = LAYOUT.groups[0].page
-    values = page.page_bytes // 2 // page.block_tokens
     caches = {
-        f"layer.{i}": torch.zeros((num_blocks, page.block_tokens, values), dtype=torch.bfloat16)
+        f"layer.{i}": torch.zeros((num_blocks, engine_tokens, ROW_VALUES), dtype=torch.bfloat16)
         for i in range(LAYOUT.num_layers)
     }
-    mover = WorkerMover(tier, LAYOUT, can_save=False, timeout_s=10.0)
+    mover = WorkerMover(
+        tier, LAYOUT, engine_tokens=engine_tokens, can_save=can_save, timeout_s=10.0
+    )
     mover.register(caches, lambda name: int(name.split(".")[1]))
     return mover, caches
+
+
+def _run_step(mover: WorkerMover, caches: dict[str, torch.Tensor], plan: StepPlan) -> set[int]:
+    """One step as vLLM drives it: start, then per layer wait for its load and save it."""
+    mover.start(plan)
+    for name, kv in caches.items():
+        mover.wait_layer(plan, name)
+        mover.save_layer(plan, name, kv)
+    mover.finish(plan)
+    assert mover.flush(10.0)
+    return mover.take_load_errors()
+
+
+def _load(keys: Sequence[TokenKey], hashes: Sequence[BlockHash], ids: Sequence[int]) -> BlockLoad:
+    rows = TokenRows(tuple(ids), 0, 0, 64 * len(keys))
+    return BlockLoad("r", "ns", tuple(keys), tuple(hashes), 0, rows)
+
+
+@pytest.mark.parametrize("engine_tokens", [16, 64, 128])
+def test_rows_saved_from_one_engine_load_into_another_byte_for_byte(engine_tokens: int) -> None:
+    """Engine A (its own block size, its own block ids) saves 3 tier blocks; engine B loads the
+    first 150 positions into other block ids: every loaded row equals A's row at the same
+    position, byte for byte, and no other row of B's cache is written (the step's own rows
+    from 150 on stay as vLLM wrote them)."""
+    tier = LocalTier(LAYOUT, num_blocks=8, device="cpu", timeout_s=10.0)
+    n = -(-200 // engine_tokens)
+    writer, a = _mover(tier, 40, engine_tokens, can_save=True)
+    gen = torch.Generator().manual_seed(engine_tokens)
+    for kv in a.values():
+        kv.copy_(torch.randn(kv.shape, generator=gen).to(torch.bfloat16))
+    a_ids = [30 - 2 * i for i in range(n)]
+    planner = _planner(_Tier(), engine_tokens)
+    request = _Request("a", list(range(1, 201)))
+    planner.matched_tokens(request, 0)
+    plan = planner.build([NewScheduled("a", a_ids, 0, 200)], [])
+    assert _run_step(writer, a, plan) == set()
+    (save,) = plan.saves
+    hashes = tier.lookup("app", list(save.token_keys))
+    assert all(h is not None for h in hashes)
+
+    reader, b = _mover(tier, 40, engine_tokens)
+    for kv in b.values():
+        kv.fill_(7.0)  # what vLLM wrote; untouched outside the loaded positions
+    b_ids = [3 + 4 * i for i in range(n)]
+    rows = TokenRows(tuple(b_ids[: -(-150 // engine_tokens)]), 0, 0, 150)
+    load = BlockLoad("b", "app", save.token_keys, tuple(h for h in hashes if h), 0, rows)
+    assert _run_step(reader, b, StepPlan(loads=(load,))) == set()
+
+    for name in a:
+        flat_a, flat_b = a[name].view(-1, ROW_VALUES), b[name].view(-1, ROW_VALUES)
+        src = [a_ids[p // engine_tokens] * engine_tokens + p % engine_tokens for p in range(150)]
+        dst = rows.cache_rows(engine_tokens)
+        assert torch.equal(flat_b[dst].view(torch.uint8), flat_a[src].view(torch.uint8))
+        untouched = torch.ones(len(flat_b), dtype=torch.bool)
+        untouched[dst] = False
+        assert bool((flat_b[untouched] == 7.0).all())
+
+
+def test_a_load_whose_attention_did_not_wait_is_reported_not_copied_late() -> None:
+    """Should vLLM run a layer's attention without asking for its load, copying the rows after
+    the forward would leave this step's tokens computed without that context: the blocks are
+    reported as failed (vLLM recomputes them) instead."""
+    tier = LocalTier(LAYOUT, num_blocks=4, device="cpu", timeout_s=10.0)
+    rows = np.random.default_rng(3).integers(0, 256, (1, LAYOUT.block_bytes), dtype=np.uint8)
+    keys = [TokenKey(b"\x05" * 32)]
+    tier.store("ns", keys, rows)
+    hashes = [h for h in tier.lookup("ns", keys) if h is not None]
+    mover, caches = _mover(tier, 3)
+    plan = StepPlan(loads=(_load(keys, hashes, [1]),))
+    mover.start(plan)
+    mover.finish(plan)
+    assert mover.take_load_errors() == {1}
+    assert all(not kv.any() for kv in caches.values())
 
 
 def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> None:
@@ -179,12 +366,10 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     other = rng.integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8)
     seen_by_lookup = payload_block_hash(LAYOUT, "ns", other)  # what another pool sealed
     hashes = tier.lookup("ns", keys)
-    load = BlockLoad("r", "ns", (2, 0), tuple(keys), (seen_by_lookup, hashes[1]))
+    assert hashes[1] is not None
+    load = _load(keys, (seen_by_lookup, hashes[1]), (2, 0))
     mover, caches = _mover(tier, 3)
-    plan = StepPlan(loads=(load,))
-    mover.start(plan)
-    mover.finish(plan)
-    assert mover.take_load_errors() == set()
+    assert _run_step(mover, caches, StepPlan(loads=(load,))) == set()
     for name, kv in caches.items():
         i, page = int(name.split(".")[1]), LAYOUT.groups[0].page.page_bytes
         for block_id, row in ((2, rows[0]), (0, rows[1])):
@@ -200,10 +385,7 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     pool.data[slot, 100] ^= 0x10
     pool.release_many(list(handles))
     mover, caches = _mover(tier, 3)
-    plan = StepPlan(loads=(load,))
-    mover.start(plan)
-    mover.finish(plan)
-    assert mover.take_load_errors() == {2, 0}
+    assert _run_step(mover, caches, StepPlan(loads=(load,))) == {2, 0}
     assert all(not kv.any() for kv in caches.values())
     # The connector reported the block; the pool proved it rotten and dropped it, so the save
     # that follows vLLM's recompute stores it afresh and the next request loads it.
@@ -211,7 +393,4 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     assert tier.lookup("ns", keys) == [None, hashes[1]]
     tier.store("ns", keys[:1], rows[:1])
     mover, caches = _mover(tier, 3)
-    plan = StepPlan(loads=(load,))
-    mover.start(plan)
-    mover.finish(plan)
-    assert mover.take_load_errors() == set()
+    assert _run_step(mover, caches, StepPlan(loads=(load,))) == set()

@@ -3,10 +3,12 @@
 vLLM's real ``VllmConfig`` (built offline from a tiny DeepSeek-V2-style MLA ``config.json``; no
 weights, no tokenizer), its real ``Scheduler`` (which creates the scheduler-side connector
 through ``KVConnectorFactory``), real ``Request`` objects, and a worker-side connector made by
-the same factory over CPU caches shaped as vLLM's MLA cache, ``[num_blocks, 64, 576]`` bf16 per
-layer. A step does what vLLM's model runner does around attention: bind the metadata, start the
-loads, per layer wait for its load, write the step's KV, save the layer, then wait for the saves
-and report load errors back to the scheduler.
+the same factory over CPU caches shaped as vLLM's MLA cache, ``[num_blocks, block_size, 576]``
+bf16 per layer (``block_size`` as the platform settles it: vLLM's CPU build forces 16 for its
+reference MLA backend). A step does what vLLM's model runner does around attention, in vLLM's
+order: bind the metadata, start the loads, per layer write the step's KV (vLLM's cache update
+runs before its attention op), wait for the layer's load, save the layer, then wait for the
+saves and report load errors back to the scheduler.
 
 The fake KV of a position depends on the layer and on every token up to it (a hash chain), so
 equal prefixes give equal bytes, as a real model's KV would.
@@ -16,12 +18,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -34,7 +44,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-BLOCK = 64
+# One process drives scheduler and worker; vLLM's CPU build otherwise turns a "uni" executor
+# into "mp", which backend "local" refuses (it could never hit across processes).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+BLOCK = 64  # the tier's block for MLA (FlashMLA's page); the engine's may differ
 HEAD = 576  # kv_lora_rank 512 + qk_rope_head_dim 64 (REFERENCE.md)
 NUM_LAYERS = 2
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
@@ -72,7 +86,13 @@ def write_model_dir(root: Path) -> Path:
     return root
 
 
-def vllm_config(model_dir: Path, extra: dict[str, Any], kv_role: str = "kv_both") -> VllmConfig:
+def vllm_config(
+    model_dir: Path,
+    extra: dict[str, Any],
+    kv_role: str = "kv_both",
+    block_size: int = BLOCK,
+    executor: str = "uni",
+) -> VllmConfig:
     model = ModelConfig(
         model=str(model_dir),
         tokenizer=str(model_dir),
@@ -89,14 +109,17 @@ def vllm_config(model_dir: Path, extra: dict[str, Any], kv_role: str = "kv_both"
     )
     return VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=BLOCK),
+        cache_config=CacheConfig(block_size=block_size),
         kv_transfer_config=transfer,
         device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(distributed_executor_backend=executor),
     )
 
 
-def kv_cache_config(num_blocks: int) -> KVCacheConfig:
-    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD, dtype=torch.bfloat16)
+def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
+    spec = MLAAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=HEAD, dtype=torch.bfloat16
+    )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -126,27 +149,32 @@ class Engine:
     """One vLLM engine: scheduler (with its connector) and one worker connector."""
 
     config: VllmConfig
-    num_blocks: int = 32
+    num_tokens: int = 2048
+    """Cache capacity in tokens (``num_blocks`` engine blocks of ``block`` tokens)."""
+    block: int = field(init=False)
+    num_blocks: int = field(init=False)
     scheduler: Scheduler = field(init=False)
     worker: Any = field(init=False)
     caches: dict[str, torch.Tensor] = field(init=False)
     block_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        kcc = kv_cache_config(self.num_blocks)
+        self.block = self.config.cache_config.block_size
+        self.num_blocks = self.num_tokens // self.block
+        kcc = kv_cache_config(self.num_blocks, self.block)
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         self.scheduler = Scheduler(
-            self.config, kcc, StructuredOutputManager(self.config), block_size=BLOCK
+            self.config, kcc, StructuredOutputManager(self.config), block_size=self.block
         )
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kcc)
         self.caches = {
-            name: torch.zeros((self.num_blocks, BLOCK, HEAD), dtype=torch.bfloat16)
+            name: torch.zeros((self.num_blocks, self.block, HEAD), dtype=torch.bfloat16)
             for name in LAYERS
         }
         self.worker.register_kv_caches(self.caches)
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self._hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self._hasher = get_request_block_hasher(self.block, hash_fn)
 
     @property
     def connector(self) -> Any:
@@ -162,9 +190,11 @@ class Engine:
             block_hasher=self._hasher,
         )
 
-    def block_bytes(self, block_id: int) -> list[torch.Tensor]:
-        """Every layer's page of ``block_id``, as bytes."""
-        return [self.caches[n][block_id].view(torch.uint8).clone() for n in LAYERS]
+    def rows(self, req_id: str, start: int, stop: int) -> list[torch.Tensor]:
+        """Every layer's cache rows of positions ``[start, stop)`` of ``req_id``, as bytes."""
+        ids = self.block_ids[req_id]
+        index = [ids[p // self.block] * self.block + p % self.block for p in range(start, stop)]
+        return [self.caches[n].view(-1, HEAD)[index].view(torch.uint8).clone() for n in LAYERS]
 
     def _track_blocks(self, out: SchedulerOutput) -> None:
         for r in out.scheduled_new_reqs:
@@ -184,8 +214,8 @@ class Engine:
             tokens = list(request.all_token_ids)
             values = fake_kv(tokens[: start + n], layer)[start:]
             for p in range(start, start + n):
-                block = self.block_ids[req_id][p // BLOCK]
-                kv[block, p % BLOCK] = values[p - start]
+                block = self.block_ids[req_id][p // self.block]
+                kv[block, p % self.block] = values[p - start]
 
     def step(self, out: SchedulerOutput | None = None) -> StepResult:
         """One engine step (``out``: an already scheduled step, else schedule one)."""
@@ -195,10 +225,11 @@ class Engine:
         w.bind_connector_metadata(out.kv_connector_metadata)
         w.start_load_kv(None)
         for layer, name in enumerate(LAYERS):
+            self._compute_layer(out, layer)  # vLLM's cache update, before its attention op
             w.wait_for_layer_load(name)
-            self._compute_layer(out, layer)
             w.save_kv_layer(name, self.caches[name], None)
         w.wait_for_save()
+        w.mover.flush(30.0)  # stores run in the background; tests look at the tier next
         errors = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)

@@ -1,0 +1,161 @@
+"""Run one real vLLM engine (``vllm.LLM``, the default executor) through a list of jobs and write
+what it generated as JSON: ``python -m tests.engine._run_engine SPEC.json OUT.json``.
+
+Each engine runs in its own process (this script), as a user's engine would; vLLM spawns its
+engine core and worker processes under it. The spec::
+
+    {"model": dir, "block_size": int | null, "connector": {extra config} | null,
+     "kv_role": "kv_both", "force_prefix_caching": bool, "enforce_eager": bool,
+     "max_tokens": int, "jobs": [{"name": str, "prompt": [ids], "salt": str | null}
+                                 | {"kill_pools": ray namespace}]}
+
+``force_prefix_caching``: vLLM's CPU build turns prefix caching off for MLA models on CPUs
+without AMX (its reference MLA backend); a reference engine turns it back on, so that vLLM
+itself computes a cached prefix, through the same context-attention path a tier hit takes.
+The engine under test never sets it.
+
+With ``"tries"`` instead of ``"jobs"`` (a list of connector configs), the engine is started
+once per config and each start's outcome is recorded: a line ``=== try N ===`` on stderr
+before each, so a test can find each failure's own message in the engine's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _force_prefix_caching() -> None:
+    from vllm.platforms import cpu
+
+    original = cpu.CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def keep_prefix_caching(cls: Any, vllm_config: Any) -> None:
+        wanted = vllm_config.cache_config.enable_prefix_caching
+        original(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = wanted
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(keep_prefix_caching)  # type: ignore[assignment]
+
+
+def _engine(spec: dict[str, Any], connector: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
+    if spec.get("force_prefix_caching"):
+        kwargs["enable_prefix_caching"] = True
+    if connector is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "TesseraConnector",
+            "kv_connector_module_path": "tessera_ray.serve.connector",
+            "kv_role": spec.get("kv_role", "kv_both"),
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": connector,
+        }
+    return LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.3,
+        max_model_len=spec.get("max_model_len", 8192),
+        enforce_eager=spec.get("enforce_eager", True),
+        seed=0,
+        **kwargs,
+    )
+
+
+def _kill_pools(namespace: str) -> None:
+    """Kill every pool actor of the tier in ``namespace`` (from another process: this one is
+    not a Ray driver), and wait until each is gone."""
+    code = (
+        "import ray, time\n"
+        f"ray.init(address='auto', namespace={namespace!r}, logging_level='ERROR')\n"
+        "names = [a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
+        f"         if a['namespace'] == {namespace!r} and a['name'].startswith('tessera-pool')]\n"
+        "for n in names:\n"
+        "    ray.kill(ray.get_actor(n), no_restart=True)\n"
+        "for n in names:\n"
+        "    while True:\n"
+        "        try:\n"
+        "            ray.get_actor(n)\n"
+        "            time.sleep(0.1)\n"
+        "        except ValueError:\n"
+        "            break\n"
+        "print(len(names))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) > 0, f"no pool to kill in {namespace!r}"
+
+
+def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    started = time.perf_counter()
+    llm = _engine(spec, spec.get("connector"))
+    config = llm.llm_engine.vllm_config
+    out: dict[str, Any] = {
+        "startup_s": time.perf_counter() - started,
+        "block_size": config.cache_config.block_size,
+        "prefix_caching": bool(config.cache_config.enable_prefix_caching),
+        "results": {},
+    }
+    params = SamplingParams(
+        max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=1, detokenize=False
+    )
+    for job in spec["jobs"]:
+        if "kill_pools" in job:
+            _kill_pools(job["kill_pools"])
+            continue
+        prompt: dict[str, Any] = {"prompt_token_ids": job["prompt"]}
+        if job.get("salt"):
+            prompt["cache_salt"] = job["salt"]
+        t0 = time.perf_counter()
+        (result,) = llm.generate([prompt], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        sample = result.outputs[0]
+        assert sample.logprobs is not None
+        out["results"][job["name"]] = {
+            "tokens": list(sample.token_ids),
+            "logprobs": [
+                lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs, strict=True)
+            ],
+            "cached": result.num_cached_tokens or 0,
+            "seconds": seconds,
+        }
+    return out
+
+
+def _tries(spec: dict[str, Any]) -> dict[str, Any]:
+    outcomes = []
+    for i, connector in enumerate(spec["tries"]):
+        print(f"=== try {i} ===", file=sys.stderr, flush=True)
+        try:
+            llm = _engine(spec, connector)
+        except Exception as exc:
+            outcomes.append({"started": False, "error": f"{type(exc).__name__}: {exc}"})
+        else:
+            outcomes.append({"started": True, "error": None})
+            del llm
+    print("=== done ===", file=sys.stderr, flush=True)
+    return {"tries": outcomes}
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    if spec.get("force_prefix_caching"):
+        _force_prefix_caching()
+    out = _tries(spec) if "tries" in spec else _run(spec)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Real vLLM engines (vLLM's CPU build) generating through the tier, each in its own process.
+
+The check that matters: an engine that takes a prefix from the tier generates exactly what vLLM
+generates from its own prefix cache, token for token and logprob for logprob. The reference is
+an engine of the same configuration (the connector configured, as ``kv_producer``: it saves to
+the tier but never loads from it), whose second run of a prompt is vLLM's own prefix-cache hit.
+The configuration must match: vLLM's CPU build reserves a core for any KV connector, so an
+engine without one runs its worker on fewer threads and rounds its decode differently
+(docs/engine-parity.md).
+
+Prompts are ``64 k + 5`` tokens with ``k`` even, so that vLLM's own hit (whole engine blocks of
+16 or 128 tokens, never the last token) covers exactly the tier's hit (whole 64-token tier
+blocks): both then compute the same last tokens over the same cached prefix.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine._models import tier_geometry, write_tiny_mla
+from tests.engine.conftest import EngineRun, run, run_engine
+
+TIER = 64  # tier block (FlashMLA's page)
+MAIN, SMALL, ODD = "tessera-engine-main", "tessera-engine-small", "tessera-engine-odd"
+
+_rng = random.Random(20261203)
+
+
+def _prompt(n: int) -> list[int]:
+    return [_rng.randrange(1, 1000) for _ in range(n)]
+
+
+PROMPTS = {
+    "short": _prompt(4 * TIER + 5),
+    "mid": _prompt(16 * TIER + 5),
+    "long": _prompt(64 * TIER + 5),
+}
+# Shares its first 10 tier blocks with "long", then differs; too short for an 11th full block.
+PARTIAL = PROMPTS["long"][: 10 * TIER] + _prompt(40)
+# Working set of the small tier's test: 3 prompts of 10 tier blocks in a 24-block tier.
+EVICT = {f"q{i}": _prompt(10 * TIER + 5) for i in range(1, 5)}
+
+
+def _full(prompt: list[int]) -> int:
+    """Tokens of ``prompt`` in full tier blocks, its last token excluded."""
+    return (len(prompt) - 1) // TIER * TIER
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="module")
+def models(work: Path) -> dict[str, Path]:
+    return {
+        "tiny4": write_tiny_mla(work / "tiny-mla-4", 4),
+        "tiny2": write_tiny_mla(work / "tiny-mla-2", 2),
+    }
+
+
+def _start_tier(work: Path, namespace: str, blocks: int, **geometry: Any) -> None:
+    path = work / f"{namespace}.json"
+    import json
+
+    path.write_text(json.dumps(tier_geometry(namespace, 4, **geometry)))
+    out = run(
+        "tessera-ray", "start", "--config", str(path), "--num-blocks", str(blocks),
+        "--ray-namespace", namespace,
+    )  # fmt: skip
+    assert "joined the Ray cluster" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def tiers(ray_cluster: None, work: Path) -> Iterator[None]:
+    _start_tier(work, MAIN, 1024)
+    _start_tier(work, SMALL, 24)
+    _start_tier(work, ODD, 8, block_tokens=24)
+    yield
+    for namespace in (MAIN, SMALL, ODD):
+        run("tessera-ray", "stop", "--ray-namespace", namespace, check=False)
+
+
+def _status(namespace: str) -> str:
+    return run("tessera-ray", "status", "--ray-namespace", namespace).stdout
+
+
+def _blocks_held(namespace: str) -> list[int]:
+    """The ``blocks`` column of ``tessera-ray status`` (memory + disk), per pool."""
+    return [
+        int(m.group(1)) + int(m.group(2))
+        for m in re.finditer(r" (\d+)\+(\d+) ", _status(namespace))
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tiers: None, models: dict[str, Path], work: Path) -> EngineRun:
+    """vLLM's own prefix-cache hits, in the engine configuration under test; its cold runs
+    store the prompts' blocks in the main tier (it is the first engine of the two)."""
+    jobs: list[dict[str, Any]] = []
+    for name, prompt in [*PROMPTS.items(), *EVICT.items()]:
+        jobs += [
+            {"name": f"{name}/cold", "prompt": prompt},
+            {"name": f"{name}/hit", "prompt": prompt},
+        ]
+    jobs.append({"name": "partial", "prompt": PARTIAL})  # a hit on the first 10 blocks of "long"
+    spec = {
+        "model": str(models["tiny4"]),
+        "connector": {"backend": "ray", "ray_namespace": MAIN},
+        "kv_role": "kv_producer",
+        "force_prefix_caching": True,
+        "jobs": jobs,
+    }
+    return run_engine(spec, work, "reference")
+
+
+@pytest.fixture(scope="module")
+def second(reference: EngineRun, models: dict[str, Path], work: Path) -> EngineRun:
+    """A second engine process, default configuration: its prefixes come from the tier."""
+    jobs = [{"name": n, "prompt": p} for n, p in PROMPTS.items()]
+    jobs += [
+        {"name": "partial", "prompt": PARTIAL},
+        {"name": "mid/salted", "prompt": PROMPTS["mid"], "salt": "another-tenant"},
+    ]
+    spec = {
+        "model": str(models["tiny4"]),
+        "connector": {"backend": "ray", "ray_namespace": MAIN},
+        "jobs": jobs,
+    }
+    return run_engine(spec, work, "second")
+
+
+def test_readme_cluster_steps_as_written(ray_cluster: None) -> None:
+    """README: `ray start --head --node-ip-address 127.0.0.1`, then `tessera-ray start --model
+    deepseek-v3 --num-blocks 64`, then `tessera-ray status`: start joins the running cluster
+    (its actors outlive the command) and status finds them."""
+    out = run("tessera-ray", "start", "--model", "deepseek-v3", "--num-blocks", "64")
+    assert "joined the Ray cluster" in out.stdout and "1 pools" in out.stdout
+    status = _status("tessera")
+    assert "pools: 1 up, 0 down" in status
+    run("tessera-ray", "stop")
+    assert "no tessera-ray pools" in run("tessera-ray", "status", check=False).stderr
+
+
+def test_second_engine_gets_every_full_tier_block(second: EngineRun) -> None:
+    for name, prompt in PROMPTS.items():
+        assert second.results[name]["cached"] == _full(prompt), name
+    assert second.results["partial"]["cached"] == 10 * TIER
+
+
+def test_tier_hit_generates_what_vllms_own_prefix_hit_generates(
+    reference: EngineRun, second: EngineRun
+) -> None:
+    """Every generated token and logprob of the tier hit equals vLLM's own prefix-cache hit on
+    the same prompt, at every length, and for a prompt sharing only its first blocks."""
+    assert reference.report["prefix_caching"]
+    for name, prompt in PROMPTS.items():
+        want = reference.results[f"{name}/hit"]
+        assert want["cached"] == _full(prompt), f"{name}: vLLM's own hit is not like for like"
+        assert _same(second.results[name], want), f"{name}: {second.results[name]} != {want}"
+    assert reference.results["partial"]["cached"] == 10 * TIER
+    assert _same(second.results["partial"], reference.results["partial"])
+
+
+def test_another_cache_salt_gets_nothing_from_the_tier(
+    reference: EngineRun, second: EngineRun
+) -> None:
+    salted = second.results["mid/salted"]
+    assert salted["cached"] == 0
+    assert _same(salted, reference.results["mid/cold"])
+
+
+def test_tier_smaller_than_the_working_set_and_a_killed_pool(
+    reference: EngineRun, models: dict[str, Path], work: Path
+) -> None:
+    """A 24-block tier under a 30-block working set evicts; every answer is then either a full
+    tier hit or a full recompute, each equal to vLLM's own run of the same kind. Then the tier's
+    only pool is killed while the engine serves: it keeps serving, recomputing, no wrong token."""
+    order = ["q1", "q2", "q3", "q3", "q2", "q1"]
+    jobs: list[dict[str, Any]] = [
+        {"name": f"{n}/{i}", "prompt": EVICT[n]} for i, n in enumerate(order)
+    ]
+    jobs += [{"kill_pools": SMALL}]
+    jobs += [
+        {"name": "q3/after-kill", "prompt": EVICT["q3"]},
+        {"name": "q4/after-kill", "prompt": EVICT["q4"]},
+    ]
+    spec = {
+        "model": str(models["tiny4"]),
+        "connector": {"backend": "ray", "ray_namespace": SMALL, "timeout_s": 10.0},
+        "jobs": jobs,
+    }
+    small = run_engine(spec, work, "small-tier")
+    hits = misses = 0
+    for i, name in enumerate(order):
+        got = small.results[f"{name}/{i}"]
+        full = _full(EVICT[name])
+        assert got["cached"] in (0, full), f"{name}/{i}: partial hit {got['cached']}"
+        kind = "hit" if got["cached"] else "cold"
+        hits, misses = hits + (kind == "hit"), misses + (kind == "cold")
+        assert _same(got, reference.results[f"{name}/{kind}"]), f"{name}/{i} differs ({kind})"
+    assert hits and misses > 3, f"no eviction happened: {hits} hits, {misses} misses"
+    for name in ("q3", "q4"):
+        assert _same(small.results[f"{name}/after-kill"], reference.results[f"{name}/cold"])
+
+
+def test_bad_configuration_fails_at_engine_start_with_one_line(
+    tiers: None, second: EngineRun, models: dict[str, Path], work: Path
+) -> None:
+    """Each bad configuration stops the engine at start, the reason in one line of its output;
+    nothing reaches any tier."""
+    held = {ns: _blocks_held(ns) for ns in (MAIN, ODD)}
+    ray_main = {"backend": "ray", "ray_namespace": MAIN}
+    tries = [
+        (ray_main, "tiny2", r"the engine has 2 layers"),
+        ({**ray_main, "blocks": 3}, "tiny4", r"unknown key\(s\) blocks"),
+        (
+            {"backend": "ray", "ray_namespace": "tessera-nowhere"},
+            "tiny4",
+            r"no tessera-ray pools in Ray namespace 'tessera-nowhere'",
+        ),
+        (
+            {"backend": "ray", "ray_namespace": ODD},
+            "tiny4",
+            r"block_size \d+ and the tier's block of 24 tokens do not divide",
+        ),
+        ({"backend": "local"}, "tiny4", r"backend 'local' keeps the tier inside one process"),
+    ]
+    for model in ("tiny2", "tiny4"):
+        mine = [(c, p) for c, m, p in tries if m == model]
+        spec = {"model": str(models[model]), "tries": [c for c, _ in mine], "jobs": []}
+        out = run_engine(spec, work, f"bad-{model}")
+        sections = re.split(r"=== try \d+ ===", out.log)[1:]
+        for (config, pattern), outcome, section in zip(
+            mine, out.report["tries"], sections, strict=True
+        ):
+            assert not outcome["started"], f"{config} started"
+            assert re.search(pattern, section), f"{config}: no line matching {pattern!r}"
+    assert {ns: _blocks_held(ns) for ns in (MAIN, ODD)} == held
+    assert held[ODD] == [0]
