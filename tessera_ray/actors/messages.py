@@ -6,9 +6,10 @@ answered by a list aligned with it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -21,6 +22,7 @@ __all__ = [
     "PinnedBlock",
     "PinTicket",
     "BlockRead",
+    "BlockReads",
     "BlockCheck",
     "BlockRef",
     "EvictionReport",
@@ -72,8 +74,7 @@ class PinnedBlock(NamedTuple):
     content_hashes: tuple[tuple[int, ...], ...]
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRead:
+class BlockRead(NamedTuple):
     """A block's bytes as a pool holds them, with the block hash it sealed them under: a
     consumer checks the one against the other before use. Under one token key two pools may
     hold different, equally valid bytes (an engine whose KV is not bitwise reproducible
@@ -82,6 +83,49 @@ class BlockRead:
     block_hash: BlockHash
     payload: np.ndarray
     """uint8 ``[block_bytes]``, every layer group's pages in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockReads:
+    """What a pool read for a list of token keys, as columns: per key the block hash (``None``:
+    not held), and the held blocks' payloads in one array, so that it crosses a process
+    boundary as one buffer instead of one per block. Indexing gives a :class:`BlockRead` (a
+    view of its row) or ``None``."""
+
+    block_hashes: tuple[BlockHash | None, ...]
+    payloads: np.ndarray
+    """uint8 ``[blocks held, block_bytes]``, the held keys' rows in key order."""
+    rows: tuple[int, ...]
+    """Per key, its row in ``payloads``; -1 where not held."""
+
+    @classmethod
+    def of(cls, block_hashes: Sequence[BlockHash | None], payloads: np.ndarray) -> BlockReads:
+        rows, held = [], 0
+        for h in block_hashes:
+            rows.append(-1 if h is None else held)
+            held += h is not None
+        if held != len(payloads):
+            raise ValueError(f"{held} blocks held, {len(payloads)} payload rows")
+        return cls(tuple(block_hashes), payloads, tuple(rows))
+
+    def __len__(self) -> int:
+        return len(self.block_hashes)
+
+    def _at(self, i: int) -> BlockRead | None:
+        h, row = self.block_hashes[i], self.rows[i]
+        return None if h is None else BlockRead(h, self.payloads[row])
+
+    @overload
+    def __getitem__(self, i: int) -> BlockRead | None: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[BlockRead | None]: ...
+    def __getitem__(self, i: int | slice) -> BlockRead | list[BlockRead | None] | None:
+        if isinstance(i, slice):
+            return [self._at(j) for j in range(len(self))[i]]
+        return self._at(i)
+
+    def __iter__(self) -> Iterator[BlockRead | None]:
+        return (self._at(i) for i in range(len(self)))
 
 
 class BlockCheck(StrEnum):

@@ -36,7 +36,7 @@ from tessera_ray.actors.directory_actor import ShardedDirectory
 from tessera_ray.actors.exporter import export_pool_status, pool_tags
 from tessera_ray.actors.messages import (
     BlockCheck,
-    BlockRead,
+    BlockReads,
     PinTicket,
     PoolStatus,
     Reservation,
@@ -250,8 +250,8 @@ class PoolActor:
         blocks = await self.read_blocks(namespace, keys)
         return [b.payload if b is not None else None for b in blocks]
 
-    async def read_blocks(self, namespace: Access, keys: list[TokenKey]) -> list[BlockRead | None]:
-        """Payloads with the block hashes to check them against (see :class:`BlockRead`)."""
+    async def read_blocks(self, namespace: Access, keys: list[TokenKey]) -> BlockReads:
+        """Payloads with the block hashes to check them against (see :class:`BlockReads`)."""
         await self._start()
         return await self.svc.read_blocks(namespace, keys)
 

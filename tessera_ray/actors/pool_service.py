@@ -38,7 +38,7 @@ from tessera_ray.actors.disk_blocks import DiskBlocks
 from tessera_ray.actors.links import DirectoryLink
 from tessera_ray.actors.messages import (
     BlockCheck,
-    BlockRead,
+    BlockReads,
     BlockRef,
     EvictionReport,
     PinnedBlock,
@@ -518,18 +518,14 @@ class PoolService(TransferMixin):
         self._release(lease)
         return True
 
-    async def read_blocks(
-        self, access: Access, token_keys: Sequence[TokenKey]
-    ) -> list[BlockRead | None]:
-        """Per key, the block's bytes and hash (restored from disk if need be), or ``None``
+    async def read_blocks(self, access: Access, token_keys: Sequence[TokenKey]) -> BlockReads:
+        """Per key, the block's bytes and hash (restored from disk if need be), or nothing
         when this pool holds no block under it; for callers that consume bytes."""
         ticket = await self.pin(access, token_keys)
         try:
-            rows = iter(self.read_pinned(ticket.id))
-            return [
-                BlockRead(b.block_hash, next(rows)) if b is not None else None
-                for b in ticket.blocks
-            ]
+            payloads = self.read_pinned(ticket.id)
+            hashes = [b.block_hash if b is not None else None for b in ticket.blocks]
+            return BlockReads.of(hashes, payloads)
         finally:
             self.unpin(ticket.id)
 
@@ -584,16 +580,16 @@ class PoolService(TransferMixin):
         lease = self._pins.get(pin_id)
         if lease is None:
             raise LeaseError(f"pin {pin_id} is unknown or expired; pin again")
-        out = np.empty((len(lease.handles), self.block_bytes), dtype=np.uint8)
-        for i, per_group in enumerate(lease.handles):
-            offset = 0
-            for pool, handles, nbytes in zip(self.pools, per_group, self.group_bytes, strict=True):
-                idx = torch.tensor([h.offset // h.length for h in handles])
-                out[i, offset : offset + nbytes] = (
-                    pool.data.index_select(0, idx).reshape(-1).cpu().numpy()
-                )
-                offset += nbytes
-        return out
+        n = len(lease.handles)
+        # One gather per layer group over every pinned block (its pages in layer order), not
+        # one per block: a read of many blocks is one copy.
+        parts = []
+        for g, (pool, nbytes) in enumerate(zip(self.pools, self.group_bytes, strict=True)):
+            idx = [h.offset // h.length for per_group in lease.handles for h in per_group[g]]
+            pages = pool.data.index_select(0, torch.tensor(idx, dtype=torch.long))
+            parts.append(pages.reshape(n, nbytes))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return np.ascontiguousarray(out.cpu().numpy())
 
     # ------------------------------------------------------------------ eviction and disk
 

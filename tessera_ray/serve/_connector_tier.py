@@ -32,7 +32,7 @@ import numpy as np
 
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.links import LocalDirectory
-from tessera_ray.actors.messages import BlockCheck, BlockRead
+from tessera_ray.actors.messages import BlockCheck, BlockReads
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access
 from tessera_ray.core import block_hash, content_seed, xxh3_128
@@ -135,9 +135,9 @@ class TierBackend(abc.ABC):
         return self.lookup_async(namespace, keys).result(self.timeout_s)
 
     @abc.abstractmethod
-    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> BlockReads:
         """Per key, the block's payload (uint8 ``[block_bytes]``) with the hash the pool
-        sealed it under, or ``None`` when the tier no longer holds it (evicted since the
+        sealed it under, or nothing when the tier no longer holds it (evicted since the
         lookup, owner gone). Not verified here."""
 
     @abc.abstractmethod
@@ -177,7 +177,7 @@ class LocalTier(TierBackend):
     ) -> concurrent.futures.Future[list[BlockHash | None]]:
         return submit_on_loop(self._lookup(namespace, list(keys)))
 
-    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> BlockReads:
         return self._run(self.service.read_blocks(namespace, list(keys)))
 
     def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
@@ -233,16 +233,14 @@ class RayTier(TierBackend):
     ) -> concurrent.futures.Future[list[BlockHash | None]]:
         return submit_on_loop(self._lookup(namespace, list(keys)))
 
-    async def _read(self, namespace: str, keys: list[TokenKey]) -> list[BlockRead | None]:
+    async def _read(self, namespace: str, keys: list[TokenKey]) -> BlockReads:
         access = self._access(namespace)
-        fetched = await self.client.afetch(access, keys, into=self.pool)
-        available = fetched.available
-        held = [k for k in keys if k in available]
-        blocks = await self.client.aread_blocks(access, held, pool=self.pool) if held else []
-        by_key = dict(zip(held, blocks, strict=True))
-        return [by_key.get(k) for k in keys]
+        # Pull what other pools hold into this node's pool, then read it all from there; a key
+        # no pool could supply reads as not held.
+        await self.client.afetch(access, keys, into=self.pool)
+        return await self.client.aread_blocks(access, keys, pool=self.pool)
 
-    def read(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockRead | None]:
+    def read(self, namespace: str, keys: Sequence[TokenKey]) -> BlockReads:
         return self._run(self._read(namespace, list(keys)))
 
     def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:

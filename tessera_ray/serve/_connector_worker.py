@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tessera_ray.actors.messages import BlockRead
+from tessera_ray.actors.messages import BlockRead, BlockReads
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError
 from tessera_ray.layout import ModelLayout
@@ -61,9 +62,10 @@ class LoadOutcome:
     failed."""
 
     rows: torch.Tensor | None = None
-    """uint8 ``[verified tier blocks, block_bytes]``: the verified payloads."""
+    """uint8 ``[tier blocks read, block_bytes]``: the payloads as read (the rows ``src`` names
+    are verified; the others are never copied)."""
     src: torch.Tensor | None = None
-    """Per position loaded, its token row among the staged tier blocks (``block * T + r``)."""
+    """Per position loaded, its token row among the read tier blocks (``row * T + r``)."""
     dst: torch.Tensor | None = None
     """Per position loaded, its row in a layer's cache viewed as one row per token."""
     failed_blocks: set[int] = field(default_factory=set)
@@ -176,7 +178,8 @@ class WorkerMover:
         by_ns: dict[str, list[BlockLoad]] = {}
         for load in loads:
             by_ns.setdefault(load.namespace, []).append(load)
-        staged: list[np.ndarray] = []
+        arrays: list[np.ndarray] = []
+        held = 0  # payload rows of the arrays before the current one
         src: list[int] = []
         dst: list[int] = []
         unverified: dict[str, list[TokenKey]] = {}
@@ -184,37 +187,46 @@ class WorkerMover:
         for namespace, group in by_ns.items():
             keys = [k for load in group for k in load.token_keys]
             try:
-                blocks: list[BlockRead | None] = self.tier.read(namespace, keys)
+                reads = self.tier.read(namespace, keys)
+                if len(reads) != len(keys):
+                    raise ValueError(f"{len(reads)} blocks read for {len(keys)} keys")
             except Exception as exc:  # the tier is down or slow: recompute, never fail
                 log.warning("tier read of %d blocks failed: %s", len(keys), exc)
-                blocks = [None] * len(keys)
-            it = iter(blocks)
+                empty = np.empty((0, self.layout.block_bytes), dtype=np.uint8)
+                reads = BlockReads.of([None] * len(keys), empty)
+            arrays.append(reads.payloads)
+            first = 0  # the load's first key among ``keys``
             for load in group:
-                good, ok = 0, True
-                for key, looked_up in zip(load.token_keys, load.block_hashes, strict=True):
-                    block = next(it)
-                    if ok and block is not None and not self._verified(namespace, block, looked_up):
+                # The load's verified leading tier blocks, as rows of all payloads read.
+                rows: list[int] = []
+                for j, (key, looked_up) in enumerate(
+                    zip(load.token_keys, load.block_hashes, strict=True)
+                ):
+                    block = reads[first + j]
+                    if block is None:
+                        break
+                    if not self._verified(namespace, block, looked_up):
                         unverified.setdefault(namespace, []).append(key)
-                        block = None
-                    ok = ok and block is not None
-                    if ok:
-                        assert block is not None
-                        staged.append(block.payload)
-                        good += 1
-                # Staged tier block i of this load is token rows (first + i) * t onwards.
-                first = len(staged) - good
-                end = min(load.rows.stop, load.tier_position + good * t)
+                        break
+                    rows.append(held + reads.rows[first + j])
+                first += len(load.token_keys)
+                end = min(load.rows.stop, load.tier_position + len(rows) * t)
                 if end > load.rows.start:
                     dst.extend(load.rows.cache_rows(e)[: end - load.rows.start])
-                    base = first * t - load.tier_position
-                    src.extend(range(base + load.rows.start, base + end))
+                    for p in range(load.rows.start, end):
+                        b, r = divmod(p - load.tier_position, t)
+                        src.append(rows[b] * t + r)
                 if end < load.rows.stop:
                     # This tier block and every later one of the request: vLLM recomputes
                     # from the first failed engine block, so later ones would be overwritten.
                     outcome.failed_blocks |= load.rows.blocks_from(end, e)
                     outcome.failed_requests.add(load.req_id)
-        if staged:
-            outcome.rows = torch.from_numpy(np.stack(staged))
+            held += len(reads.payloads)
+        if src:
+            rows_all = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            with warnings.catch_warnings():  # read-only (shared) memory: only ever read here
+                warnings.simplefilter("ignore", UserWarning)
+                outcome.rows = torch.from_numpy(rows_all)
             outcome.src = torch.tensor(src, dtype=torch.long)
             outcome.dst = torch.tensor(dst, dtype=torch.long)
         for namespace, keys in unverified.items():
@@ -259,10 +271,12 @@ class WorkerMover:
         assert outcome.src is not None and outcome.dst is not None
         self._copied.add(layer.index)
         offset = layer.index * self.page_bytes
-        pages = outcome.rows[:, offset : offset + self.page_bytes].contiguous()
-        tokens = pages.view(-1, self.row_bytes).view(layer.rows.dtype)
-        src = tokens.index_select(0, outcome.src).to(layer.rows.device)
-        layer.rows.index_copy_(0, outcome.dst.to(layer.rows.device), src)
+        # The layer's pages of every block read, as [blocks, T, row] (a strided view, no copy),
+        # gathered at the loaded positions and scattered into the cache's rows.
+        pages = outcome.rows[:, offset : offset + self.page_bytes].view(layer.rows.dtype)
+        tokens = pages.reshape(len(outcome.rows), self.tier_tokens, -1)
+        src = tokens[outcome.src // self.tier_tokens, outcome.src % self.tier_tokens]
+        layer.rows.index_copy_(0, outcome.dst.to(layer.rows.device), src.to(layer.rows.device))
 
     def wait_layer(self, plan: StepPlan, name: str) -> None:
         """Make layer ``name``'s share of this step's verified blocks present in its cache."""

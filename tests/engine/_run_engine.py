@@ -5,9 +5,16 @@ Each engine runs in its own process (this script), as a user's engine would; vLL
 engine core and worker processes under it. The spec::
 
     {"model": dir, "block_size": int | null, "connector": {extra config} | null,
-     "kv_role": "kv_both", "force_prefix_caching": bool, "enforce_eager": bool,
-     "max_tokens": int, "jobs": [{"name": str, "prompt": [ids], "salt": str | null}
-                                 | {"kill_pools": ray namespace}]}
+     "kv_transfer_config": {...} | null, "kv_role": "kv_both", "force_prefix_caching": bool,
+     "enforce_eager": bool, "max_tokens": int, "env": {name: value},
+     "jobs": [{"name": str, "prompt": [ids], "salt": str | null, "max_tokens": int,
+               "repeat": int, "fresh_cache": bool} | {"kill_pools": ray namespace}]}
+
+``connector`` is TesseraConnector's ``kv_connector_extra_config``; ``kv_transfer_config`` names
+another connector whole (vLLM's own, for the benchmark's peers). A job's ``seconds`` is the
+wall time of ``generate`` in this process (first token time with ``max_tokens`` 1), one per
+``repeat``; the tokens and logprobs are the first run's. ``fresh_cache`` empties vLLM's own
+prefix cache before each run, so that a repeated prompt is a tier hit every time.
 
 ``force_prefix_caching``: vLLM's CPU build turns prefix caching off for MLA models on CPUs
 without AMX (its reference MLA backend); a reference engine turns it back on, so that vLLM
@@ -52,7 +59,9 @@ def _engine(spec: dict[str, Any], connector: dict[str, Any] | None) -> Any:
         kwargs["block_size"] = spec["block_size"]
     if spec.get("force_prefix_caching"):
         kwargs["enable_prefix_caching"] = True
-    if connector is not None:
+    if spec.get("kv_transfer_config") is not None:
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    elif connector is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TesseraConnector",
             "kv_connector_module_path": "tessera_ray.serve.connector",
@@ -107,28 +116,35 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         "prefix_caching": bool(config.cache_config.enable_prefix_caching),
         "results": {},
     }
-    params = SamplingParams(
-        max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=1, detokenize=False
-    )
     for job in spec["jobs"]:
         if "kill_pools" in job:
             _kill_pools(job["kill_pools"])
             continue
+        params = SamplingParams(
+            max_tokens=job.get("max_tokens", spec.get("max_tokens", 8)),
+            temperature=0.0,
+            logprobs=1,
+            detokenize=False,
+        )
         prompt: dict[str, Any] = {"prompt_token_ids": job["prompt"]}
         if job.get("salt"):
             prompt["cache_salt"] = job["salt"]
-        t0 = time.perf_counter()
-        (result,) = llm.generate([prompt], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        sample = result.outputs[0]
+        seconds, results = [], []
+        for _ in range(job.get("repeat", 1)):
+            if job.get("fresh_cache"):
+                llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            results += llm.generate([prompt], params, use_tqdm=False)
+            seconds.append(time.perf_counter() - t0)
+        sample = results[0].outputs[0]
         assert sample.logprobs is not None
         out["results"][job["name"]] = {
             "tokens": list(sample.token_ids),
             "logprobs": [
                 lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs, strict=True)
             ],
-            "cached": result.num_cached_tokens or 0,
-            "seconds": seconds,
+            "cached": results[0].num_cached_tokens or 0,
+            "seconds": seconds[0] if len(seconds) == 1 else seconds,
         }
     return out
 
@@ -150,6 +166,7 @@ def _tries(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
+    os.environ.update(spec.get("env", {}))
     if spec.get("force_prefix_caching"):
         _force_prefix_caching()
     out = _tries(spec) if "tries" in spec else _run(spec)

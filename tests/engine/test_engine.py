@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.engine._models import tier_geometry, write_tiny_mla
-from tests.engine.conftest import EngineRun, run, run_engine
+from tests.engine.conftest import EngineRun, engine_block_sizes, run, run_engine
 
 TIER = 64  # tier block (FlashMLA's page)
 MAIN, SMALL, ODD = "tessera-engine-main", "tessera-engine-small", "tessera-engine-odd"
@@ -103,29 +103,28 @@ def _blocks_held(namespace: str) -> list[int]:
     ]
 
 
-@pytest.fixture(scope="module")
-def reference(tiers: None, models: dict[str, Path], work: Path) -> EngineRun:
+def _reference(models: dict[str, Path], work: Path, block: int | None, name: str) -> EngineRun:
     """vLLM's own prefix-cache hits, in the engine configuration under test; its cold runs
     store the prompts' blocks in the main tier (it is the first engine of the two)."""
     jobs: list[dict[str, Any]] = []
-    for name, prompt in [*PROMPTS.items(), *EVICT.items()]:
+    for prompt_name, prompt in [*PROMPTS.items(), *(EVICT.items() if block is None else ())]:
         jobs += [
-            {"name": f"{name}/cold", "prompt": prompt},
-            {"name": f"{name}/hit", "prompt": prompt},
+            {"name": f"{prompt_name}/cold", "prompt": prompt},
+            {"name": f"{prompt_name}/hit", "prompt": prompt},
         ]
     jobs.append({"name": "partial", "prompt": PARTIAL})  # a hit on the first 10 blocks of "long"
     spec = {
         "model": str(models["tiny4"]),
+        "block_size": block,
         "connector": {"backend": "ray", "ray_namespace": MAIN},
         "kv_role": "kv_producer",
         "force_prefix_caching": True,
         "jobs": jobs,
     }
-    return run_engine(spec, work, "reference")
+    return run_engine(spec, work, name)
 
 
-@pytest.fixture(scope="module")
-def second(reference: EngineRun, models: dict[str, Path], work: Path) -> EngineRun:
+def _second(models: dict[str, Path], work: Path, block: int | None, name: str) -> EngineRun:
     """A second engine process, default configuration: its prefixes come from the tier."""
     jobs = [{"name": n, "prompt": p} for n, p in PROMPTS.items()]
     jobs += [
@@ -134,10 +133,50 @@ def second(reference: EngineRun, models: dict[str, Path], work: Path) -> EngineR
     ]
     spec = {
         "model": str(models["tiny4"]),
+        "block_size": block,
         "connector": {"backend": "ray", "ray_namespace": MAIN},
         "jobs": jobs,
     }
-    return run_engine(spec, work, "second")
+    return run_engine(spec, work, name)
+
+
+@pytest.fixture(scope="module")
+def reference(tiers: None, models: dict[str, Path], work: Path) -> EngineRun:
+    return _reference(models, work, None, "reference")
+
+
+@pytest.fixture(scope="module")
+def second(reference: EngineRun, models: dict[str, Path], work: Path) -> EngineRun:
+    return _second(models, work, None, "second")
+
+
+_COVERED: dict[int, str] = {}
+
+
+ASKED = (16, 64, 128)
+
+
+@pytest.fixture(scope="module", params=[None, *ASKED], ids=lambda b: f"block-{b or 'default'}")
+def pair(
+    request: pytest.FixtureRequest,
+    reference: EngineRun,
+    second: EngineRun,
+    models: dict[str, Path],
+    work: Path,
+) -> tuple[EngineRun, EngineRun]:
+    """(reference, second engine) at the engine's default block size and at 16, 64 and 128
+    asked explicitly. vLLM's CPU build may run another size than asked (16 on its reference
+    MLA backend): a size already covered is not run twice."""
+    asked: int | None = request.param
+    if asked is None:
+        _COVERED.setdefault(second.report["block_size"], "the default")
+        return reference, second
+    got = engine_block_sizes(models["tiny4"], ASKED)[asked]
+    if got in _COVERED:
+        pytest.skip(f"block_size={asked} runs as {got} here: covered by {_COVERED[got]}")
+    _COVERED[got] = f"block_size={asked}"
+    ref = _reference(models, work, asked, f"reference-{asked}")
+    return ref, _second(models, work, asked, f"second-{asked}")
 
 
 def test_readme_cluster_steps_as_written(ray_cluster: None) -> None:
@@ -152,18 +191,21 @@ def test_readme_cluster_steps_as_written(ray_cluster: None) -> None:
     assert "no tessera-ray pools" in run("tessera-ray", "status", check=False).stderr
 
 
-def test_second_engine_gets_every_full_tier_block(second: EngineRun) -> None:
+def test_second_engine_gets_every_full_tier_block(pair: tuple[EngineRun, EngineRun]) -> None:
+    _, second = pair
     for name, prompt in PROMPTS.items():
         assert second.results[name]["cached"] == _full(prompt), name
     assert second.results["partial"]["cached"] == 10 * TIER
 
 
 def test_tier_hit_generates_what_vllms_own_prefix_hit_generates(
-    reference: EngineRun, second: EngineRun
+    pair: tuple[EngineRun, EngineRun],
 ) -> None:
     """Every generated token and logprob of the tier hit equals vLLM's own prefix-cache hit on
     the same prompt, at every length, and for a prompt sharing only its first blocks."""
+    reference, second = pair
     assert reference.report["prefix_caching"]
+    assert reference.report["block_size"] == second.report["block_size"]
     for name, prompt in PROMPTS.items():
         want = reference.results[f"{name}/hit"]
         assert want["cached"] == _full(prompt), f"{name}: vLLM's own hit is not like for like"
@@ -173,8 +215,9 @@ def test_tier_hit_generates_what_vllms_own_prefix_hit_generates(
 
 
 def test_another_cache_salt_gets_nothing_from_the_tier(
-    reference: EngineRun, second: EngineRun
+    pair: tuple[EngineRun, EngineRun],
 ) -> None:
+    reference, second = pair
     salted = second.results["mid/salted"]
     assert salted["cached"] == 0
     assert _same(salted, reference.results["mid/cold"])

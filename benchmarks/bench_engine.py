@@ -1,0 +1,330 @@
+"""Real vLLM engines (vLLM's CPU build) on the tiny MLA model: first-token time with a shared
+prefix served by vLLM itself, by the tier, and by vLLM's own connectors, all in one run.
+
+For each prefix length (prompt = prefix + 5 tokens; whole tier blocks, so vLLM's own hit and the
+tier's cover the same tokens):
+
+- ``ttft_cold_*``: a fresh prompt, no connector configured (the baseline);
+- ``ttft_tier_hit_*``: a second engine process (``TesseraConnector``, default role) whose prefix
+  comes from the tier, vLLM's own cache emptied before each run;
+- ``ttft_vllm_hit_*``: vLLM's own prefix-cache hit in that same engine (the ceiling; prefix
+  caching forced on where the CPU build turns it off for MLA); the ``*_vs_*`` rows compare the
+  tier hit with the two above as first tokens per second;
+- ``ttft_example_hit_*``, ``ttft_mooncake_hit_*``: the same through vLLM's own
+  ``ExampleConnector`` (safetensors files on local disk) and ``MooncakeStoreConnector`` (a
+  Mooncake master on 127.0.0.1, TCP), each where it starts here; a row says why where not.
+
+Also ``decode_*``: decode tokens per second on a short prompt with the connector against
+without; ``first_tier_hit_fresh_engine``: a new engine's first tier hit (after one unrelated
+warm-up request, so vLLM's own first-request costs are not counted) against a warm engine's.
+
+Every engine runs with the same CPU reservation (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``): vLLM's CPU
+build otherwise gives an engine with a connector another worker thread (docs/engine-parity.md),
+and the comparison would measure that instead. Every engine also has prefix caching on (forced
+where the CPU build turns it off for MLA), so that they differ only in the connector. Runs in
+``.venv-engine`` (``make test-engine`` creates it); started from another interpreter it re-runs
+itself there.
+
+``--quick``: prefixes of 1k and 4k tokens, fewer repeats.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT)]
+os.environ.setdefault("UCX_MODULES", "^ib")  # before anything loads UCX (REFERENCE.md)
+
+from common import NOT_AVAILABLE, Row, parse_args, write_result  # noqa: E402
+
+ENGINE_PYTHON = ROOT / ".venv-engine" / "bin" / "python"
+TIER_BLOCK = 64
+TAIL = 5
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def _rate(seconds: float) -> float:
+    return 1.0 / seconds
+
+
+def _median(x: float | list[float]) -> float:
+    return statistics.median(x) if isinstance(x, list) else x
+
+
+def _prompts(lengths: list[int]) -> dict[int, list[int]]:
+    import random
+
+    rng = random.Random(27)
+    return {n: [rng.randrange(1, 1000) for _ in range(n + TAIL)] for n in lengths}
+
+
+def _unavailable(args: Any, reason: str) -> None:
+    rows = [Row.unavailable("ttft_tier_hit", "first tokens/s", reason)]
+    write_result("engine", args, rows)
+
+
+def main() -> None:
+    args = parse_args("engine")
+    if importlib.util.find_spec("vllm") is None:
+        if ENGINE_PYTHON.exists() and not os.environ.get("TESSERA_BENCH_ENGINE_VENV"):
+            os.environ["TESSERA_BENCH_ENGINE_VENV"] = "1"  # once: never loop
+            os.execv(str(ENGINE_PYTHON), [str(ENGINE_PYTHON), *sys.argv])
+        _unavailable(args, "vLLM's CPU build is not installed (make test-engine creates it)")
+        return
+    import _peers
+
+    # Mooncake's TCP transport listens on every interface: the whole run (Ray included, all on
+    # 127.0.0.1) moves into a loopback-only network namespace where one can be made.
+    _peers.enter_loopback_namespace(sys.argv)
+
+    import ray
+
+    from tessera_ray.actors.client import TesseraClient
+    from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+    from tessera_ray.layout import MLAConfig, build_layout
+    from tests.engine._harness import run_engine
+    from tests.engine._models import write_tiny_mla
+
+    lengths = [1024, 4096] if args.quick else [1024, 4096, 8192]
+    repeat = 3 if args.quick else 5
+    prompts = _prompts(lengths)
+    warm = [7] * 69
+    decode_prompt = [11] * 37
+    work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+    model = write_tiny_mla(work / "tiny-mla-4", 4)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"UCX_MODULES": "^ib"}},
+    )
+    address = ray.get_runtime_context().gcs_address
+    layout = build_layout(MLAConfig(name="bench-tiny-mla-4", num_layers=4, num_heads=4))
+    TesseraClient.start(
+        TierConfig(model=layout.model, pool=PoolServiceConfig(num_blocks=1024), num_shards=1),
+        layout=layout,
+        quiet=True,
+    )
+    tier = {"backend": "ray", "ray_address": address}
+    base = {"model": str(model), "env": ENV, "max_model_len": max(lengths) + 256}
+    decode_jobs = [
+        {"name": "decode/1", "prompt": decode_prompt, "max_tokens": 1, "repeat": repeat},
+        {"name": "decode/65", "prompt": decode_prompt, "max_tokens": 65, "repeat": repeat},
+    ]
+
+    # vLLM alone: cold prefill and the decode rate without a connector.
+    plain_jobs: list[dict[str, Any]] = [{"name": "warm", "prompt": warm, "max_tokens": 1}]
+    plain_jobs += [{"name": f"cold/{n}", "prompt": p, "max_tokens": 1} for n, p in prompts.items()]
+    plain_spec = {**base, "force_prefix_caching": True, "jobs": plain_jobs + decode_jobs}
+    plain = run_engine(plain_spec, work, "plain")
+    # One engine stores the prefixes in the tier; a second, fresh process reads them, and
+    # measures vLLM's own prefix-cache hit too (the same engine: the ceiling).
+    store_jobs = [{"name": f"cold/{n}", "prompt": p, "max_tokens": 1} for n, p in prompts.items()]
+    store = {**base, "connector": tier, "kv_role": "kv_producer", "jobs": store_jobs}
+    run_engine(store, work, "store")
+    first = lengths[0]
+    tier_jobs: list[dict[str, Any]] = [
+        {"name": "warm", "prompt": warm, "max_tokens": 1},
+        {"name": "first", "prompt": prompts[first], "max_tokens": 1},
+    ]
+    for n, p in prompts.items():
+        tier_jobs += [
+            {
+                "name": f"tier/{n}",
+                "prompt": p,
+                "max_tokens": 1,
+                "repeat": repeat,
+                "fresh_cache": True,
+            },
+            {"name": f"own/{n}", "prompt": p, "max_tokens": 1, "repeat": repeat},
+        ]
+    reader_spec = {**base, "connector": tier, "force_prefix_caching": True}
+    reader = run_engine({**reader_spec, "jobs": tier_jobs + decode_jobs}, work, "tier")
+
+    rows: list[Row] = []
+    for n in lengths:
+        cold = plain.results[f"cold/{n}"]["seconds"]
+        own = reader.results[f"own/{n}"]
+        hit = reader.results[f"tier/{n}"]
+        assert hit["cached"] == n == own["cached"], f"hits of {hit['cached']}, {own['cached']}"
+        t, o = _median(hit["seconds"]), _median(own["seconds"])
+        k = f"{n // 1024}k"
+        rows += [
+            Row(name=f"ttft_cold_{k}", value=cold, unit="s", note="no connector"),
+            Row(name=f"ttft_vllm_hit_{k}", value=o, unit="s", note="vLLM's own, same engine"),
+            Row(name=f"ttft_tier_hit_{k}", value=t, unit="s"),
+            Row(
+                name=f"tier_hit_vs_vllm_hit_{k}",
+                value=_rate(t),
+                unit="first tokens/s",
+                baseline="vLLM's own prefix hit, same engine",
+                baseline_value=_rate(o),
+                target_ratio=1 / 1.5 if n == 4096 else None,
+            ),
+            Row(
+                name=f"tier_hit_vs_cold_{k}",
+                value=_rate(t),
+                unit="first tokens/s",
+                baseline="cold prefill, no connector",
+                baseline_value=_rate(cold),
+                target_ratio=3.0 if n == 4096 else None,
+            ),
+        ]
+    fresh = reader.results["first"]["seconds"]
+    warm_hit = _median(reader.results[f"tier/{first}"]["seconds"])
+    rows.append(
+        Row(
+            name="first_tier_hit_fresh_engine",
+            value=_rate(fresh),
+            unit="first tokens/s",
+            baseline="warm engine's tier hit",
+            baseline_value=_rate(warm_hit),
+            target_ratio=0.5,
+            note=f"{fresh:.3f} s against {warm_hit:.3f} s, {first}-token prefix",
+        )
+    )
+
+    def decode_rate(run: Any) -> float:
+        one = _median(run.results["decode/1"]["seconds"])
+        many = _median(run.results["decode/65"]["seconds"])
+        return 64 / (many - one)
+
+    rows.append(
+        Row(
+            name="decode_with_connector",
+            value=decode_rate(reader),
+            unit="tokens/s",
+            baseline="no connector",
+            baseline_value=decode_rate(plain),
+            target_ratio=0.95,
+            note="64 greedy tokens after a 37-token prompt; saves of filled blocks included",
+        )
+    )
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(work / "example-connector")},
+    }
+    peers = _peer_rows("Example", example, {}, base, prompts, repeat, work)
+    peers += _mooncake_rows(base, prompts, repeat, work)
+    rows += peers
+    tier_4k = next(r.value for r in rows if r.name == "ttft_tier_hit_4k")
+    for peer, target in (("example", None), ("mooncake", 1.0)):
+        row = next((r for r in peers if r.name == f"ttft_{peer}_hit_4k"), None)
+        if row is None or row.value is None or tier_4k is None:
+            reason = "the peer did not run" if row is None else (row.note or "no value")
+            reason = reason.removeprefix(NOT_AVAILABLE)
+            rows.append(Row.unavailable(f"tier_hit_vs_{peer}_hit_4k", "first tokens/s", reason))
+            continue
+        rows.append(
+            Row(
+                name=f"tier_hit_vs_{peer}_hit_4k",
+                value=_rate(tier_4k),
+                unit="first tokens/s",
+                baseline=f"{peer} connector hit",
+                baseline_value=_rate(row.value),
+                target_ratio=target,
+            )
+        )
+    versions = {"vllm-cpu": importlib.metadata.version("vllm-cpu")}
+    write_result("engine", args, rows, versions=versions)
+
+
+def _peer_rows(
+    peer: str,
+    transfer: dict[str, Any],
+    env: dict[str, str],
+    base: dict[str, Any],
+    prompts: dict[int, list[int]],
+    repeat: int,
+    work: Path,
+) -> list[Row]:
+    """One of vLLM's own connectors on the same prompts: an engine stores them, a second,
+    fresh one loads them (vLLM's own cache emptied before each run)."""
+    from tests.engine._harness import run_engine
+
+    spec = {**base, "kv_transfer_config": transfer, "env": {**base["env"], **env}}
+    slug = peer.lower()
+    try:
+        cold = [{"name": f"cold/{n}", "prompt": p, "max_tokens": 1} for n, p in prompts.items()]
+        run_engine({**spec, "jobs": cold}, work, f"{slug}-store")
+        jobs = [
+            {
+                "name": f"hit/{n}",
+                "prompt": p,
+                "max_tokens": 1,
+                "repeat": repeat,
+                "fresh_cache": True,
+            }
+            for n, p in prompts.items()
+        ]
+        loader = run_engine({**spec, "jobs": jobs}, work, f"{slug}-load")
+    except AssertionError as exc:
+        return [Row.unavailable(f"ttft_{slug}_hit", "s", f"{peer} did not run: {_cause(str(exc))}")]
+    rows = []
+    for n in prompts:
+        hit = loader.results[f"hit/{n}"]
+        rows.append(
+            Row(
+                name=f"ttft_{slug}_hit_{n // 1024}k",
+                value=_median(hit["seconds"]),
+                unit="s",
+                note=f"{hit['cached']} of {n} prefix tokens from {peer}",
+            )
+        )
+    return rows
+
+
+def _cause(log: str) -> str:
+    """The engine's own error line in a failed engine's log (the last one naming an error)."""
+    lines = [ln.strip() for ln in log.splitlines() if re.search(r"(Error|error)\b", ln)]
+    line = lines[-1] if lines else log.splitlines()[0]
+    return re.sub(r"^.*?\] ", "", line)[:300]
+
+
+def _mooncake_rows(
+    base: dict[str, Any], prompts: dict[int, list[int]], repeat: int, work: Path
+) -> list[Row]:
+    """vLLM's MooncakeStoreConnector over a Mooncake master on 127.0.0.1 (TCP), where the
+    wheel imports and a loopback-only network namespace keeps its listeners off the network."""
+    import _peers
+
+    problem = _peers.mooncake_problem()
+    if problem is not None:
+        return [Row.unavailable("ttft_mooncake_hit", "s", problem)]
+    with _peers.mooncake_master() as master:
+        config = work / "mooncake.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "P2PHANDSHAKE",
+                    "master_server_address": master.address,
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "global_segment_size": "1GB",
+                    "local_buffer_size": "256MB",
+                }
+            )
+        )
+        transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+        env = {"MOONCAKE_CONFIG_PATH": str(config)}
+        return _peer_rows("Mooncake", transfer, env, base, prompts, repeat, work)
+
+
+if __name__ == "__main__":
+    main()
