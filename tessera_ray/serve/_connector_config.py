@@ -66,6 +66,10 @@ class TesseraConnectorConfig:
     lookup_wait_s: float = 0.002
     """Longest vLLM's scheduler thread waits for a tier lookup in one step; a lookup still on
     its way then answers "ask again" and the request waits for the next step."""
+    nixl_staging_bytes: int = 256 << 20
+    """Host memory the worker registers with NIXL once, to read tier blocks from this node's
+    pool one-sided (``backend="ray"``); a step's loads that do not fit, and pools without
+    NIXL, go through Ray's object store. 0: always the object store."""
     max_pending_saves: int = 4
     """Steps whose tier stores may run behind the engine (each holds its staged blocks in host
     memory); a step beyond that waits for the oldest."""
@@ -83,6 +87,15 @@ class TesseraConnectorConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise TierConfigError(f"{_WHERE}: {name} must be a non-empty string or null")
+        if (
+            isinstance(self.nixl_staging_bytes, bool)
+            or not isinstance(self.nixl_staging_bytes, int)
+            or self.nixl_staging_bytes < 0
+        ):
+            raise TierConfigError(
+                f"{_WHERE}: nixl_staging_bytes must be an integer >= 0, "
+                f"got {self.nixl_staging_bytes!r}"
+            )
         for name in ("local_num_blocks", "max_pending_saves"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import uuid
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,14 +33,15 @@ import numpy as np
 
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.links import LocalDirectory
-from tessera_ray.actors.messages import BlockCheck, BlockReads
+from tessera_ray.actors.messages import BlockCheck, BlockReads, PinTicket
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access
 from tessera_ray.core import block_hash, content_seed, xxh3_128
 from tessera_ray.core.results import BlockHash, ContentHash, TokenKey
-from tessera_ray.errors import TierConfigError
+from tessera_ray.errors import TierConfigError, TransportError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.serve._connector_config import TesseraConnectorConfig
+from tessera_ray.serve._connector_nixl import PoolReader
 
 __all__ = [
     "TierBackend",
@@ -134,6 +136,12 @@ class TierBackend(abc.ABC):
         """:meth:`lookup_async`, waited for."""
         return self.lookup_async(namespace, keys).result(self.timeout_s)
 
+    def prepare_reads(self) -> None:  # noqa: B027 - optional hook, nothing to set up here
+        """Set up what reads need, once, where reads happen (the worker); optional."""
+
+    def release_reads(self) -> None:  # noqa: B027 - optional hook, nothing to release here
+        """Release what :meth:`prepare_reads` set up (the worker shuts down)."""
+
     @abc.abstractmethod
     def read(self, namespace: str, keys: Sequence[TokenKey]) -> BlockReads:
         """Per key, the block's payload (uint8 ``[block_bytes]``) with the hash the pool
@@ -211,6 +219,44 @@ class RayTier(TierBackend):
             self.pool = config.pool
         else:
             self.pool = self.client.local_pool()
+        self._pool_actor = self.client.pool(self.pool)
+        self._staging_bytes = config.nixl_staging_bytes
+        self._reader: PoolReader | None = None
+        self._reader_tried = False
+
+    def prepare_reads(self) -> None:
+        """Open the NIXL path to this node's pool (worker side, once): staging memory
+        registered with NIXL, the pool's agent added. Where the pool moves blocks through Ray's
+        object store, or NIXL cannot start, reads go through the object store."""
+        if self._reader_tried:
+            return
+        self._reader_tried = True
+        blocks = self._staging_bytes // self.layout.block_bytes
+        if blocks < 1:
+            return
+        try:
+            import ray
+
+            peer = ray.get(self._pool_actor.peer_info.remote(), timeout=self.timeout_s)
+            if peer is None or peer.kind != "nixl":
+                return
+            self._reader = PoolReader(
+                self.layout,
+                peer,
+                capacity_blocks=blocks,
+                name=f"tessera-connector-{uuid.uuid4().hex[:12]}",
+            )
+        except Exception as exc:
+            log.warning(
+                "NIXL reads from pool %s unavailable (%s); reading through Ray's object store",
+                self.pool,
+                exc,
+            )
+
+    def release_reads(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
 
     def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         return run_on_loop(coro, self.timeout_s)
@@ -240,8 +286,44 @@ class RayTier(TierBackend):
         await self.client.afetch(access, keys, into=self.pool)
         return await self.client.aread_blocks(access, keys, pool=self.pool)
 
+    async def _pin(self, namespace: str, keys: list[TokenKey]) -> PinTicket:
+        """Pin ``keys`` in this node's pool, pulling in first what only other pools hold (one
+        call when this pool holds them all, the common case for a node's own prefixes)."""
+        access = self._access(namespace)
+        ticket: PinTicket = await self._pool_actor.pin.remote(access, keys)
+        if all(b is not None for b in ticket.blocks):
+            return ticket
+        self._pool_actor.unpin.remote(ticket.id)
+        await self.client.afetch(access, keys, into=self.pool)
+        ticket = await self._pool_actor.pin.remote(access, keys)
+        return ticket
+
     def read(self, namespace: str, keys: Sequence[TokenKey]) -> BlockReads:
+        reader = self._reader
+        if reader is None:
+            return self._run(self._read(namespace, list(keys)))
+        ticket = self._run(self._pin(namespace, list(keys)))
+        try:
+            if reader.incarnation != ticket.incarnation:
+                self._refresh_peer(reader, ticket.incarnation)
+            if reader.fits(ticket):
+                return reader.read(ticket, self.timeout_s)
+        except TransportError as exc:  # the pool's agent went away: the object store still works
+            log.warning("NIXL read from pool %s failed (%s); reading through Ray", self.pool, exc)
+            reader.incarnation = None
+        finally:
+            self._pool_actor.unpin.remote(ticket.id)
         return self._run(self._read(namespace, list(keys)))
+
+    def _refresh_peer(self, reader: PoolReader, incarnation: int) -> None:
+        """The pool (re)started since the reader last saw it: its NIXL agent is new."""
+        import ray
+
+        peer = ray.get(self._pool_actor.peer_info.remote(), timeout=self.timeout_s)
+        if reader.peer in reader.transport.peers:
+            reader.transport.remove_peers([reader.peer])
+        reader.transport.add_peers([peer])
+        reader.peer, reader.incarnation = peer.name, incarnation
 
     def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
         # Reads are served by this pool (fetched into it first), so its copies are the suspects.

@@ -108,6 +108,7 @@ class WorkerMover:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-save")
         self._save_slots = threading.BoundedSemaphore(max_pending_saves)
+        self._closed = False
         self._reset()
 
     def _reset(self) -> None:
@@ -151,6 +152,7 @@ class WorkerMover:
                 "are not supported by the connector"
             )
         self._layers = layers
+        self.tier.prepare_reads()
 
     # ---------------------------------------------------------------- loads
 
@@ -356,6 +358,8 @@ class WorkerMover:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every store handed over so far is done; ``False`` on timeout."""
+        if self._closed:
+            return True  # close() waited for them
         try:
             self._writer.submit(lambda: None).result(timeout_s)
         except TimeoutError:
@@ -371,5 +375,10 @@ class WorkerMover:
         return failed
 
     def close(self) -> None:
-        self._reader.shutdown(wait=False, cancel_futures=True)
+        """Stop reading, finish the stores handed over; idempotent (vLLM may shut down twice)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.shutdown(wait=True, cancel_futures=True)  # no read into staging after
         self._writer.shutdown(wait=True)
+        self.tier.release_reads()

@@ -4,6 +4,7 @@ shared by the engine tests and ``benchmarks/bench_engine.py``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -31,9 +32,12 @@ def run_engine(spec: dict[str, Any], work: Path, name: str, timeout: float = 900
     """Run one engine process on ``spec`` (see ``_run_engine.py``)."""
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
+    # vLLM's defaults, as a user's engine has them: nothing of this process's vLLM settings.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engine._run_engine", str(spec_path), str(out_path)],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -44,10 +44,6 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-# One process drives scheduler and worker; vLLM's CPU build otherwise turns a "uni" executor
-# into "mp", which backend "local" refuses (it could never hit across processes).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 BLOCK = 64  # the tier's block for MLA (FlashMLA's page); the engine's may differ
 HEAD = 576  # kv_lora_rank 512 + qk_rope_head_dim 64 (REFERENCE.md)
 NUM_LAYERS = 2
@@ -107,13 +103,25 @@ def vllm_config(
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=extra,
     )
-    return VllmConfig(
-        model_config=model,
-        cache_config=CacheConfig(block_size=block_size),
-        kv_transfer_config=transfer,
-        device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(distributed_executor_backend=executor),
-    )
+    # One process drives scheduler and worker; vLLM's CPU build turns a "uni" executor into
+    # "mp" unless multiprocessing is off, and backend "local" refuses "mp" (it could never
+    # hit across processes). Set only while the config is built: engines started later in this
+    # process tree must keep vLLM's default.
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if executor == "uni" else "1"
+    try:
+        return VllmConfig(
+            model_config=model,
+            cache_config=CacheConfig(block_size=block_size),
+            kv_transfer_config=transfer,
+            device_config=DeviceConfig(device="cpu"),
+            parallel_config=ParallelConfig(distributed_executor_backend=executor),
+        )
+    finally:
+        if before is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:

@@ -1,0 +1,81 @@
+"""The connector worker's NIXL path to this node's pool: pinned blocks are read one-sided from
+the pool's registered memory into staging memory the worker registered once, each page hashed
+where it lands and checked against the content hash the pool sealed it under.
+
+Through Ray's object store a read costs the pool a copy into shared memory and the worker the
+page faults of fresh object-store pages, on every step; over NIXL the bytes cross once, by the
+transport's own copy, and the pool only pins and unpins. The staging memory holds
+``capacity_blocks`` tier blocks; a read that does not fit goes through the object store.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from tessera_ray.actors.messages import BlockReads, PinTicket
+from tessera_ray.core import BlockPool, PoolConfig, content_seed
+from tessera_ray.core.results import BlockHash
+from tessera_ray.layout import ModelLayout
+from tessera_ray.serve._connector_plan import check_paged_layout
+from tessera_ray.transport import PeerInfo, TransportConfig
+from tessera_ray.transport.factory import make_transport
+
+__all__ = ["PoolReader"]
+
+log = logging.getLogger(__name__)
+
+
+class PoolReader:
+    """Reads blocks pinned in one pool (``peer``) into this process's staging memory."""
+
+    def __init__(
+        self, layout: ModelLayout, peer: PeerInfo, *, capacity_blocks: int, name: str
+    ) -> None:
+        check_paged_layout(layout)  # one layer group: a block is one page per layer
+        self.layout = layout
+        self.layers = layout.num_layers
+        self.capacity_blocks = capacity_blocks
+        self.staging = BlockPool.for_group(
+            layout, 0, PoolConfig(num_pages=capacity_blocks * self.layers)
+        )
+        self.transport = make_transport(TransportConfig(kind="nixl"), name=name)
+        self.transport.register(self.staging)
+        self.transport.add_peers([peer])
+        self.peer = peer.name
+        self.incarnation: int | None = None
+
+    def fits(self, ticket: PinTicket) -> bool:
+        return sum(b is not None for b in ticket.blocks) <= self.capacity_blocks
+
+    def read(self, ticket: PinTicket, timeout_s: float) -> BlockReads:
+        """The pinned blocks' bytes, as a view of the staging memory (valid until the next
+        read). A block whose landed pages do not hash to what the pool sealed reads as not
+        held: the caller recomputes it."""
+        held = [(i, b) for i, b in enumerate(ticket.blocks) if b is not None]
+        if len(held) > self.capacity_blocks:
+            raise ValueError(f"{len(held)} blocks do not fit {self.capacity_blocks} staged")
+        n, per = len(held), self.layers
+        hashes: list[BlockHash | None] = [None] * len(ticket.blocks)
+        if not n:
+            return BlockReads.of(hashes, np.empty((0, self.layout.block_bytes), np.uint8))
+        remote = [s for _, b in held for s in b.slots[0]]
+        seed = content_seed(ticket.namespace, self.layout.fingerprint)
+        (request,) = self.transport.read_many(
+            self.peer, [(remote, list(range(n * per)))], hash_seed=seed
+        )
+        digests = self.transport.wait(request, timeout_s)
+        assert digests is not None  # asked with a hash seed
+        good: list[int] = []
+        for j, (i, b) in enumerate(held):
+            if tuple(digests[j * per : (j + 1) * per]) == tuple(b.content_hashes[0]):
+                hashes[i] = b.block_hash
+                good.append(j)
+            else:
+                log.warning("a block read over NIXL does not match its seal; recomputing it")
+        rows = self.staging.data[: n * per].view(n, per * self.staging.page_bytes).numpy()
+        return BlockReads.of(hashes, rows if len(good) == n else rows[good])
+
+    def close(self) -> None:
+        self.transport.close()

@@ -1,0 +1,94 @@
+"""The connector worker's NIXL path to its node's pool (``RayTier.read`` after
+``prepare_reads``): pinned blocks read one-sided into staging memory registered once, every page
+checked against its seal where it landed; a rotten page reads as not held; a read larger than
+the staging memory, or a pool without NIXL, goes through Ray's object store, same bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import ray
+
+from tessera_ray.actors.client import TesseraClient
+from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+from tessera_ray.core import token_key
+from tessera_ray.layout import MLAConfig, build_layout
+from tessera_ray.serve._connector_tier import RayTier, payload_block_hash
+from tessera_ray.serve.connector import TesseraConnectorConfig
+from tessera_ray.transport import TransportConfig
+from tests.actors.test_cluster import _rot
+from tests.conftest import SimCluster
+
+pytestmark = pytest.mark.ray
+
+LAYOUT = build_layout(MLAConfig(name="tiny-mla-nixl-reads", num_layers=2, num_heads=4))
+RAY_NS = "tessera-connector-nixl"
+NS = "vllm"
+
+
+@pytest.fixture(scope="module")
+def tier(tessera_cluster: SimCluster) -> Iterator[TesseraClient]:
+    config = TierConfig(
+        model=LAYOUT.model,
+        pool=PoolServiceConfig(num_blocks=16, transport=TransportConfig(kind="nixl")),
+        num_shards=1,
+        ray_namespace=RAY_NS,
+    )
+    client = TesseraClient.start(config, layout=LAYOUT, pools_on=tessera_cluster.node_ids[:1])
+    yield client
+    client.stop()
+
+
+def _blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
+    keys = [token_key(NS, LAYOUT.fingerprint, None, [seed, i] * 32) for i in range(n)]
+    rows = np.random.default_rng(seed).integers(0, 256, (n, LAYOUT.block_bytes), dtype=np.uint8)
+    return keys, rows
+
+
+def test_reads_land_over_nixl_and_match_the_seal(tier: TesseraClient) -> None:
+    reader = RayTier(TesseraConnectorConfig(ray_namespace=RAY_NS))
+    reader.prepare_reads()
+    assert reader._reader is not None, "no NIXL path to the pool"
+    keys, rows = _blocks(4, 1)
+    reader.store(NS, keys[:3], rows[:3])
+    got = reader.read(NS, keys)  # the 4th was never stored
+    assert [g is None for g in got] == [False, False, False, True]
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows[:3])
+    assert [g.block_hash for g in got if g is not None] == [
+        payload_block_hash(LAYOUT, NS, r) for r in rows[:3]
+    ]
+
+    # Page 1 of block 1 rots in the pool's memory: that block reads as not held (the load
+    # recomputes it), the others still land.
+    actor = tier.pool(tier.pools[0])
+    ticket = ray.get(actor.pin.remote(NS, [keys[1]]))
+    slot = ticket.blocks[0].slots[0][1]
+    ray.get(actor.unpin.remote(ticket.id))
+    _rot(ray.get(actor.peer_info.remote()), slot)
+    got = reader.read(NS, keys[:3])
+    assert [g is None for g in got] == [False, True, False]
+    assert np.array_equal(got[2].payload, rows[2])  # type: ignore[union-attr]
+
+
+def test_a_read_beyond_the_staging_memory_goes_through_the_object_store(
+    tier: TesseraClient,
+) -> None:
+    one_block = TesseraConnectorConfig(ray_namespace=RAY_NS, nixl_staging_bytes=LAYOUT.block_bytes)
+    reader = RayTier(one_block)
+    reader.prepare_reads()
+    assert reader._reader is not None and reader._reader.capacity_blocks == 1
+    keys, rows = _blocks(3, 2)
+    reader.store(NS, keys, rows)
+    assert np.array_equal(reader.read(NS, keys[:1])[0].payload, rows[0])  # type: ignore[union-attr]
+    got = reader.read(NS, keys)
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
+    reader.release_reads()  # the worker shuts down: its NIXL agent goes, reads still work
+    assert reader._reader is None
+    assert np.array_equal(reader.read(NS, keys[:1])[0].payload, rows[0])  # type: ignore[union-attr]
+    off = RayTier(TesseraConnectorConfig(ray_namespace=RAY_NS, nixl_staging_bytes=0))
+    off.prepare_reads()
+    assert off._reader is None
+    got = off.read(NS, keys)
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
