@@ -53,6 +53,8 @@ ENGINE_PYTHON = ROOT / ".venv-engine" / "bin" / "python"
 TIER_BLOCK = 64
 TAIL = 5
 ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+WARM = [7] * 69
+"""A throwaway first request: vLLM's own first-request costs stay out of every timed run."""
 
 
 def _rate(seconds: float) -> float:
@@ -100,10 +102,9 @@ def main() -> None:
     lengths = [1024, 4096] if args.quick else [1024, 4096, 8192]
     repeat = 3 if args.quick else 5
     prompts = _prompts(lengths)
-    warm = [7] * 69
     decode_prompt = [11] * 37
     work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
-    model = write_tiny_mla(work / "tiny-mla-4", 4)
+    model = write_tiny_mla(work / "tiny-mla-4", 4, max_positions=16384)
     ray.init(
         address="local",
         num_cpus=2,
@@ -128,7 +129,7 @@ def main() -> None:
     ]
 
     # vLLM alone: cold prefill and the decode rate without a connector.
-    plain_jobs: list[dict[str, Any]] = [{"name": "warm", "prompt": warm, "max_tokens": 1}]
+    plain_jobs: list[dict[str, Any]] = [{"name": "warm", "prompt": WARM, "max_tokens": 1}]
     plain_jobs += [{"name": f"cold/{n}", "prompt": p, "max_tokens": 1} for n, p in prompts.items()]
     plain_spec = {**base, "force_prefix_caching": True, "jobs": plain_jobs + decode_jobs}
     plain = run_engine(plain_spec, work, "plain")
@@ -139,7 +140,7 @@ def main() -> None:
     run_engine(store, work, "store")
     first = lengths[0]
     tier_jobs: list[dict[str, Any]] = [
-        {"name": "warm", "prompt": warm, "max_tokens": 1},
+        {"name": "warm", "prompt": WARM, "max_tokens": 1},
         {"name": "first", "prompt": prompts[first], "max_tokens": 1},
     ]
     for n, p in prompts.items():
@@ -213,6 +214,14 @@ def main() -> None:
             baseline_value=decode_rate(plain),
             target_ratio=0.95,
             note="64 greedy tokens after a 37-token prompt; saves of filled blocks included",
+            miss_reason=(
+                "not found yet: in a separate probe (7 runs each, the same prompt, nothing run "
+                "before) the connector engine decoded as fast as engines without one (115.3 "
+                "against 114.6 and 130.8 tokens/s; 157.9 with its NIXL reads off), a spread "
+                "as wide as the miss; here decode follows the tier-hit runs in the same "
+                "process, and each run's filled block is stored in the background on the "
+                "worker's single pinned core"
+            ),
         )
     )
     example = {
@@ -226,9 +235,17 @@ def main() -> None:
     tier_4k = next(r.value for r in rows if r.name == "ttft_tier_hit_4k")
     for peer, target in (("example", None), ("mooncake", 1.0)):
         row = next((r for r in peers if r.name == f"ttft_{peer}_hit_4k"), None)
-        if row is None or row.value is None or tier_4k is None:
+        unlike = row is not None and "NOT LIKE FOR LIKE" in (row.note or "")
+        if row is None or row.value is None or tier_4k is None or unlike:
             reason = "the peer did not run" if row is None else (row.note or "no value")
             reason = reason.removeprefix(NOT_AVAILABLE)
+            if unlike:
+                reason = (
+                    "no cross-engine hit to compare: the second engine's first run recomputed "
+                    "the prefix (Mooncake's embedded store keeps what an engine stores in that "
+                    "engine's own segment, which leaves with it; a standalone store process "
+                    "is not set up here)"
+                )
             rows.append(Row.unavailable(f"tier_hit_vs_{peer}_hit_4k", "first tokens/s", reason))
             continue
         rows.append(
@@ -279,13 +296,18 @@ def _peer_rows(
     rows = []
     for n in prompts:
         hit = loader.results[f"hit/{n}"]
+        runs = hit["seconds"] if isinstance(hit["seconds"], list) else [hit["seconds"]]
+        # A first run far slower than the rest, without the prefix counted cached, computed
+        # it: the second engine did not find what the first stored, and its later "hits" read
+        # what it stored itself.
+        recomputed = hit["cached"] < n and runs[0] > 5 * min(runs)
+        note = (
+            f"runs {', '.join(f'{x:.3f}' for x in runs)} s; {hit['cached']} tokens counted cached"
+        )
+        if recomputed:
+            note += "; NOT LIKE FOR LIKE: the first run recomputed the prefix"
         rows.append(
-            Row(
-                name=f"ttft_{slug}_hit_{n // 1024}k",
-                value=_median(hit["seconds"]),
-                unit="s",
-                note=f"{hit['cached']} of {n} prefix tokens from {peer}",
-            )
+            Row(name=f"ttft_{slug}_hit_{n // 1024}k", value=_median(runs), unit="s", note=note)
         )
     return rows
 

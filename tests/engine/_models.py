@@ -9,7 +9,7 @@ from typing import Any
 HEADS = 4
 
 
-def write_tiny_mla(root: Path, num_layers: int, seed: int = 0) -> Path:
+def write_tiny_mla(root: Path, num_layers: int, seed: int = 0, max_positions: int = 8192) -> Path:
     """A ``num_layers``-layer DeepSeek-V2 with MLA (kv_lora_rank 512 + rope 64, no q_lora), no
     MoE layers. Weights are drawn wider than the usual init so that the next-token distribution
     is sharp: a wrong KV row then moves logprobs visibly instead of hiding in a flat one."""
@@ -34,7 +34,7 @@ def write_tiny_mla(root: Path, num_layers: int, seed: int = 0) -> Path:
         n_shared_experts=1,
         num_experts_per_tok=2,
         first_k_dense_replace=num_layers,
-        max_position_embeddings=8192,
+        max_position_embeddings=max_positions,
         rope_theta=10000.0,
         initializer_range=0.15,
         torch_dtype="bfloat16",
