@@ -199,3 +199,19 @@ def mooncake_master() -> Iterator[Peer]:
     with _server(cmd, port, "mooncake"):
         dist = next(d for d in MOONCAKE_DISTS if version(d) is not None)
         yield Peer(address=f"127.0.0.1:{port}", version=f"{dist} {version(dist)}")
+
+
+@contextmanager
+def mooncake_store_process(master: Peer, segment_bytes: int) -> Iterator[Peer]:
+    """Mooncake's standalone store process (the wheel's ``mooncake_client``) on 127.0.0.1: it
+    mounts ``segment_bytes`` of memory into ``master``'s store and outlives the clients that
+    put objects there, which mount none (``mode: standalone-store``)."""
+    import mooncake
+
+    binary = Path(mooncake.__file__).parent / "mooncake_client"
+    port = free_port()
+    cmd = [str(binary), "--host=127.0.0.1", f"--port={port}", "--metadata_server=P2PHANDSHAKE"]
+    cmd += [f"--master_server_address={master.address}", "--protocol=tcp"]
+    cmd += [f"--global_segment_size={segment_bytes}", "--local_buffer_size=0", "--logtostderr"]
+    with _server(cmd, port, "mooncake-store"):
+        yield Peer(address=f"127.0.0.1:{port}", version=master.version)

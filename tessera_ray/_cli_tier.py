@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tessera_ray._cli_config import UsageError, read_geometry
+from tessera_ray._cli_config import UsageError, add_geometry_options, model_config
 
 __all__ = ["add_tier_commands"]
 
@@ -37,18 +37,15 @@ def _join(address: str) -> str:
 def _cmd_start(ns: argparse.Namespace) -> int:
     from tessera_ray.actors.client import TesseraClient
     from tessera_ray.actors.config import PoolServiceConfig, TierConfig
-    from tessera_ray.layout import build_layout, config_from_dict
+    from tessera_ray.layout import build_layout
 
-    if (ns.model is None) == (ns.config is None):
-        raise UsageError("name the tier's model with exactly one of --model and --config")
-    layout = None
-    model = ns.model
-    if ns.config is not None:
-        data = read_geometry(ns.config)
-        if ns.format is not None:
-            data = {**data, "format": ns.format}
-        layout = build_layout(config_from_dict(data))
-        model = layout.model
+    custom = model_config(ns, format=ns.format)
+    if (ns.model is None) == (custom is None):
+        raise UsageError(
+            "name the tier's model with exactly one of --model, --config and --hf-config"
+        )
+    layout = None if custom is None else build_layout(custom)
+    model = ns.model if layout is None else layout.model
     address = _join(ns.address)
     import ray
 
@@ -95,7 +92,7 @@ def add_tier_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="Ray cluster to join (default: auto, the one `ray start` runs on this machine)",
     )
     start.add_argument("--model", help="layout preset (tessera-ray size --list)")
-    start.add_argument("--config", help="JSON file with a custom model geometry (see README)")
+    add_geometry_options(start)
     start.add_argument("--format", default=None, help="storage format (default: the engine's)")
     start.add_argument("--num-blocks", type=int, required=True, help="token blocks per pool")
     start.add_argument("--device", default="cpu", help="pool memory: cpu or cuda")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from tessera_ray._cli_config import UsageError, read_geometry
+from tessera_ray._cli_config import UsageError, add_geometry_options, model_config
 from tessera_ray._cli_demo import add_demo_command
 from tessera_ray._cli_status import add_status_command
 from tessera_ray._cli_tier import add_tier_commands
@@ -22,7 +22,6 @@ from tessera_ray.layout import (
     ModelLayout,
     account,
     build_layout,
-    config_from_dict,
     parse_contexts,
     preset_layout,
 )
@@ -48,17 +47,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _layouts(ns: argparse.Namespace) -> list[ModelLayout]:
-    if ns.config is not None:
-        data = read_geometry(ns.config)
-        config = config_from_dict(data)
-        changes = {}
-        if ns.format is not None:
-            changes["format"] = ns.format
-        if ns.block_tokens is not None:
-            changes["block_tokens"] = ns.block_tokens
-        if changes:
-            config = config_from_dict({**data, **changes})
-        return [build_layout(config)]
+    custom = model_config(ns, format=ns.format, block_tokens=ns.block_tokens)
+    if custom is not None:
+        if ns.model is not None:
+            raise UsageError("give --model or a model file (--config, --hf-config), not both")
+        return [build_layout(custom)]
     if ns.model is not None:
         names = [m.strip() for m in ns.model.split(",")]
     elif ns.plot is not None:
@@ -115,7 +108,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Exact KV-cache bytes of a model in the format its engine stores.",
     )
     size.add_argument("--model", help="preset name(s), comma-separated (see --list)")
-    size.add_argument("--config", help="JSON file with a custom model geometry (see README)")
+    add_geometry_options(size)
     size.add_argument("--context", default="8k,32k,128k", help="e.g. 8k,32k,128k,1m (k = 1024)")
     size.add_argument("--format", help="storage format (see --list); default: the engine's")
     size.add_argument("--block-tokens", type=int, help="pin tokens per page (default: derived)")

@@ -7,6 +7,7 @@ this). Everything else in tessera-ray sizes its memory from here.
 from tessera_ray.layout.accounting import ContextUsage, SpecUsage, account
 from tessera_ray.layout.dtypes import DType
 from tessera_ray.layout.formats import FORMATS, Family, FormatInfo, format_info
+from tessera_ray.layout.hf import HF_ARCHITECTURES, config_from_hf
 from tessera_ray.layout.models import (
     DEFAULT_FORMATS,
     PRESETS,
@@ -53,6 +54,8 @@ __all__ = [
     "preset",
     "preset_layout",
     "config_from_dict",
+    "config_from_hf",
+    "HF_ARCHITECTURES",
     "ContextUsage",
     "SpecUsage",
     "account",

@@ -53,9 +53,10 @@ class TesseraConnectorConfig:
     every layer (DeepSeek-V3 bf16: 61 x 72 KiB = 4.3 MiB)."""
     local_device: str = "cpu"
     """Where the in-process tier keeps its pages (``"cpu"`` or ``"cuda[:N]"``)."""
-    format: str = "mla-bf16"
-    """Page format of the in-process tier's layout; must describe vLLM's cache bytes exactly
-    (``mla-bf16``: a bf16 ``kv_cache_dtype``). The Ray backend uses the running tier's layout."""
+    format: str | None = None
+    """Page format of the engine's cache as the tier stores it; ``None``: the format of the
+    model's dtype (``mla-bf16`` for MLA, ``kv-bf16`` / ``kv-fp16`` for full attention). It must
+    describe vLLM's cache bytes exactly; the Ray backend's tier must hold the same layout."""
     tenant_secret_file: str | None = None
     """File holding the tier's tenant secret, for a tier started with one (every call then
     needs a credential): the connector is the front end that maps ``cache_salt`` to tenants,
@@ -79,11 +80,11 @@ class TesseraConnectorConfig:
             raise TierConfigError(
                 f"{_WHERE}: backend must be one of {', '.join(BACKEND_KINDS)}, got {self.backend!r}"
             )
-        for name in ("namespace", "ray_namespace", "local_device", "format"):
+        for name in ("namespace", "ray_namespace", "local_device"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise TierConfigError(f"{_WHERE}: {name} must be a non-empty string")
-        for name in ("model_name", "ray_address", "pool", "tenant_secret_file"):
+        for name in ("model_name", "ray_address", "pool", "tenant_secret_file", "format"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise TierConfigError(f"{_WHERE}: {name} must be a non-empty string or null")

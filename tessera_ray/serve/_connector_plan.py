@@ -235,7 +235,7 @@ def check_paged_layout(layout: ModelLayout) -> int:
     ):
         raise LayoutError(
             f"layout {layout.model}/{layout.format_name} is not one page per layer; the vLLM "
-            "connector moves MLA layouts (DeepSeek-V2/V3, Kimi-K2) only"
+            "connector moves MLA and full-attention layouts only"
         )
     return layout.groups[0].page.page_bytes
 
@@ -337,11 +337,14 @@ class SchedulerPlanner:
         The prompt's last token is never claimed: vLLM must compute at least one token to
         sample from, so a block-aligned prompt leaves its last tier block to vLLM (as vLLM's
         own connectors do)."""
+        tracked = self._track(request)
+        bs = self.tier_tokens
+        # What vLLM holds already this engine stored when it computed it, or loaded from the
+        # tier: storing it again on every local hit would copy the whole prefix each time.
+        tracked.known_blocks = max(tracked.known_blocks, num_computed_tokens // bs)
         if not self.can_load:
             return 0
-        tracked = self._track(request)
         tracked.match = None
-        bs = self.tier_tokens
         first, limit = num_computed_tokens // bs, (request.num_tokens - 1) // bs
         if limit <= first:
             tracked.lookup = None

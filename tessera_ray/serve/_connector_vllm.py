@@ -9,7 +9,7 @@ tensors) into the plain calls of :class:`SchedulerPlanner` (scheduler side) and
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,11 +18,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from tessera_ray.errors import LayoutError, TierConfigError
-from tessera_ray.layout import MLAConfig, ModelLayout, build_layout
+from tessera_ray.layout import (
+    EntryFormat,
+    FullAttentionConfig,
+    MLAConfig,
+    ModelLayout,
+    Scheme,
+    build_layout,
+)
+from tessera_ray.serve._connector_backends import planes_for
 from tessera_ray.serve._connector_config import TesseraConnectorConfig
 from tessera_ray.serve._connector_plan import (
     CachedScheduled,
@@ -31,6 +40,12 @@ from tessera_ray.serve._connector_plan import (
     StepPlan,
     check_block_sizes,
     check_paged_layout,
+)
+from tessera_ray.serve._connector_stats import (
+    ConnectorCounters,
+    counted,
+    reduce_counts,
+    sum_counts,
 )
 from tessera_ray.serve._connector_tier import open_tier
 from tessera_ray.serve._connector_worker import WorkerMover
@@ -43,7 +58,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["TesseraConnector", "TesseraConnectorMetadata"]
+__all__ = ["TesseraConnector", "TesseraConnectorMetadata", "TesseraConnectorStats"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +70,27 @@ class TesseraConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,unused
     plan: StepPlan
 
 
+@dataclass
+class TesseraConnectorStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
+    """The connector's counts over an interval (``_connector_stats``), as vLLM carries them
+    from the workers to its stat loggers."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data.clear()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data = sum_counts(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return reduce_counts(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
 def _served_name(vllm_config: VllmConfig) -> str:
     name = vllm_config.model_config.served_model_name
     if isinstance(name, list | tuple):
@@ -62,30 +98,67 @@ def _served_name(vllm_config: VllmConfig) -> str:
     return str(name or vllm_config.model_config.model)
 
 
+_FORMAT_OF_DTYPE: dict[tuple[bool, torch.dtype], str] = {
+    (True, torch.bfloat16): "mla-bf16",
+    (False, torch.bfloat16): "kv-bf16",
+    (False, torch.float16): "kv-fp16",
+}
+"""(uses MLA, model dtype) -> the tier format of vLLM's cache at kv_cache_dtype "auto"."""
+
+
 def _engine_layout(
     vllm_config: VllmConfig, config: TesseraConnectorConfig, model_name: str
 ) -> ModelLayout:
-    """The tier layout of the engine's cache: its MLA geometry in ``config.format``, in the
-    tier's own block (whatever block size the engine runs)."""
+    """The tier layout of the engine's cache (its MLA or full-attention geometry, in
+    ``config.format`` or the format of its dtype), in the tier's own block (whatever block
+    size the engine runs)."""
     model = vllm_config.model_config
-    if not model.use_mla:
-        raise LayoutError(
-            f"model {model_name!r} does not use MLA; TesseraConnector stores MLA latent caches "
-            "(DeepSeek-V2/V3, Kimi-K2)"
-        )
+    fmt = config.format
+    if fmt is None:
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        fmt = _FORMAT_OF_DTYPE.get((model.use_mla, model.dtype)) if cache_dtype == "auto" else None
+        if fmt is None:
+            raise LayoutError(
+                f"no tier format for model {model_name!r} in {model.dtype} with kv_cache_dtype "
+                f"{cache_dtype!r}; name one with the connector's format setting"
+            )
     hf = model.hf_text_config
+    if model.use_mla:
+        return build_layout(
+            MLAConfig(
+                name=model_name,
+                num_layers=hf.num_hidden_layers,
+                num_heads=hf.num_attention_heads,
+                kv_lora_rank=hf.kv_lora_rank,
+                qk_rope_head_dim=hf.qk_rope_head_dim,
+                qk_nope_head_dim=getattr(hf, "qk_nope_head_dim", 128),
+                v_head_dim=getattr(hf, "v_head_dim", 128),
+                format=fmt,
+            )
+        )
+    if vllm_config.parallel_config.tensor_parallel_size != 1:
+        raise LayoutError(
+            "tensor parallelism splits a full-attention model's KV heads across ranks; "
+            "TesseraConnector stores them whole and does not support it yet"
+        )
+    if model.get_sliding_window() is not None:
+        raise LayoutError(
+            f"model {model_name!r} uses sliding-window attention, which the tier does not page"
+        )
     return build_layout(
-        MLAConfig(
+        FullAttentionConfig(
             name=model_name,
             num_layers=hf.num_hidden_layers,
             num_heads=hf.num_attention_heads,
-            kv_lora_rank=hf.kv_lora_rank,
-            qk_rope_head_dim=hf.qk_rope_head_dim,
-            qk_nope_head_dim=getattr(hf, "qk_nope_head_dim", 128),
-            v_head_dim=getattr(hf, "v_head_dim", 128),
-            format=config.format,
+            num_kv_heads=model.get_total_num_kv_heads(),
+            head_dim=model.get_head_size(),
+            format=fmt,
         )
     )
+
+
+def _entry_text(entry: EntryFormat) -> str:
+    return " + ".join(f"{r.num_values} {r.dtype.value} {r.name}" for r in entry.regions)
 
 
 def _check_engine(
@@ -94,15 +167,17 @@ def _check_engine(
     engine_tokens: int,
     kv_cache_config: KVCacheConfig | None,
 ) -> None:
-    """The tier's pages must hold the engine's cache rows byte for byte, in blocks that divide
-    one another."""
-    page, engine_page = check_paged_layout(tier), check_paged_layout(engine)
-    row, engine_row = page // tier.block_tokens, engine_page // engine.block_tokens
-    if (tier.num_layers, row) != (engine.num_layers, engine_row):
+    """The tier's pages must hold the engine's cache rows byte for byte (the same layers, each
+    token's entry the same regions of the same dtypes), in blocks that divide one another."""
+    page = check_paged_layout(tier)
+    check_paged_layout(engine)
+    row = page // tier.block_tokens
+    entry, engine_entry = tier.groups[0].page.cache.entry, engine.groups[0].page.cache.entry
+    if (tier.num_layers, entry.regions) != (engine.num_layers, engine_entry.regions):
         raise LayoutError(
-            f"the tier stores {tier.model}/{tier.format_name}: {tier.num_layers} layers, "
-            f"{row} B per token per layer; the engine has {engine.num_layers} layers, "
-            f"{engine_row} B per token per layer"
+            f"the tier stores {tier.model}/{tier.format_name}: {tier.num_layers} layers of "
+            f"{_entry_text(entry)} per token; the engine has {engine.num_layers} layers of "
+            f"{_entry_text(engine_entry)}"
         )
     check_block_sizes(tier.block_tokens, engine_tokens)
     if kv_cache_config is None:
@@ -111,6 +186,13 @@ def _check_engine(
     if len(groups) != 1:
         raise LayoutError(f"TesseraConnector needs one KV cache group, vLLM has {len(groups)}")
     spec = groups[0].kv_cache_spec
+    mla = engine.groups[0].page.cache.scheme is Scheme.MLA
+    kind = "MLAAttentionSpec" if mla else "FullAttentionSpec"
+    if type(spec).__name__ != kind:
+        raise LayoutError(
+            f"vLLM's cache is a {type(spec).__name__}, the tier stores {tier.format_name} pages "
+            f"({kind} in vLLM)"
+        )
     if spec.block_size != engine_tokens or spec.page_size_bytes != row * spec.block_size:
         raise LayoutError(
             f"vLLM's cache pages are {spec.block_size} tokens / {spec.page_size_bytes} B, the "
@@ -170,6 +252,7 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         engine_layout = _engine_layout(vllm_config, self.config, model_name)
         engine_tokens = vllm_config.cache_config.block_size
         self.tier = open_tier(self.config, engine_layout)
+        self.counters = ConnectorCounters()
         _check_engine(self.tier.layout, engine_layout, engine_tokens, kv_cache_config)
         self.planner: SchedulerPlanner | None = None
         self.mover: WorkerMover | None = None
@@ -196,6 +279,7 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 can_save=transfer.is_kv_producer and _tp_rank() == 0,
                 timeout_s=self.config.timeout_s,
                 max_pending_saves=self.config.max_pending_saves,
+                counters=self.counters,
             )
 
     @classmethod
@@ -214,6 +298,7 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         assert self.planner is not None, "scheduler-side call on a worker connector"
         return self.planner
 
+    @counted("scheduler_s")
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -221,12 +306,14 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         # again, so a slow tier never stalls the scheduler.
         return self._planner().matched_tokens(request, num_computed_tokens), False
 
+    @counted("scheduler_s")
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
         self._planner().after_alloc(request, block_ids, num_external_tokens)
 
+    @counted("scheduler_s", "scheduler_steps")
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         new = [
@@ -246,9 +333,11 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         ]
         return TesseraConnectorMetadata(self._planner().build(new, cached))
 
+    @counted("scheduler_s")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._planner().load_failed(set(connector_output.invalid_block_ids or ()))
 
+    @counted("scheduler_s")
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -269,25 +358,39 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         return meta.plan
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._mover().register(kv_caches, extract_layer_index)
+        planes = planes_for(self._vllm_config, self._mover().engine_tokens)
+        self._mover().register(kv_caches, extract_layer_index, planes)
 
+    @counted("forward_s")
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._mover().start(self._plan())
 
+    @counted("forward_s")
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._mover().wait_layer(self._plan(), layer_name)
 
+    @counted("forward_s")
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         self._mover().save_layer(self._plan(), layer_name, kv_layer)
 
+    @counted("forward_s", "worker_steps")
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             self._mover().finish(self._plan())
 
+    @counted("forward_s")
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._mover().take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self.counters.take()
+        return None if data is None else TesseraConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return TesseraConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         # The tier outlives the engine (a shared local tier serves the process's other

@@ -1,11 +1,12 @@
-"""The worker side of the vLLM connector: moving tier blocks between vLLM's paged MLA cache and
-the tier, layer by layer (torch only, no vLLM import).
+"""The worker side of the vLLM connector: moving tier blocks between vLLM's paged cache and the
+tier, layer by layer (torch only, no vLLM import).
 
-vLLM's MLA cache is one tensor per layer, ``[num_blocks, block_size, 576]`` (the latent and the
-RoPE key of each token). Viewed as one row per token, position ``p`` of a request is a row that
-:class:`TokenRows` names; a tier block is the rows of its positions in every layer, in layer
-order. Rows move as raw bytes (a dtype view, never a conversion), so what is loaded is
-byte-identical to what was saved, and the engine's block size may differ from the tier's.
+vLLM's cache is one tensor per layer. Seen as tier rows (``_connector_planes``: per token, the
+MLA latent and RoPE key, or K then V of every head, wherever the kernels keep them), position
+``p`` of a request is a row that :class:`TokenRows` names; a tier block is the rows of its
+positions in every layer, in layer order. Rows move as raw bytes (a dtype view, never a
+conversion), so what is loaded is byte-identical to what was saved, and the engine's block size
+may differ from the tier's.
 
 Loads never leave a partial tier block in vLLM's cache. The step's tier blocks are read into a
 staging buffer first and each block's bytes are checked against the block hash the pool sealed
@@ -49,6 +50,8 @@ from tessera_ray.serve._connector_plan import (
     check_block_sizes,
     check_paged_layout,
 )
+from tessera_ray.serve._connector_planes import LayerPlanes, mla_planes
+from tessera_ray.serve._connector_stats import ConnectorCounters
 from tessera_ray.serve._connector_tier import TierBackend, payload_block_hash
 
 __all__ = ["WorkerMover", "LoadOutcome"]
@@ -75,8 +78,8 @@ class LoadOutcome:
 @dataclass(slots=True)
 class _Layer:
     index: int
-    rows: torch.Tensor
-    """The layer's cache as ``[tokens, row elements]`` (a view, no copy)."""
+    planes: LayerPlanes
+    """The layer's cache as tier rows (views, no copy)."""
 
 
 class WorkerMover:
@@ -91,8 +94,10 @@ class WorkerMover:
         can_save: bool,
         timeout_s: float,
         max_pending_saves: int = 4,
+        counters: ConnectorCounters | None = None,
     ) -> None:
         self.tier = tier
+        self.counters = counters if counters is not None else ConnectorCounters()
         self.layout = layout
         self.page_bytes = check_paged_layout(layout)
         self.tier_tokens = layout.block_tokens
@@ -124,26 +129,31 @@ class WorkerMover:
     # ---------------------------------------------------------------- registration
 
     def register(
-        self, kv_caches: Mapping[str, torch.Tensor], layer_index: Callable[[str], int]
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_index: Callable[[str], int],
+        planes_of: Callable[[str, torch.Tensor], LayerPlanes] | None = None,
     ) -> None:
-        """Learn vLLM's per-layer caches: each a contiguous tensor of blocks whose per-token
-        rows (its last dimension; the others of size 1 or the block's tokens) are the tier
-        page's per-token rows, byte for byte (vLLM's CPU build shapes MLA caches
-        ``[blocks, 1, tokens, 576]``, the GPU backends ``[blocks, tokens, 576]``)."""
+        """Learn vLLM's per-layer caches as tier rows: ``planes_of(name, tensor)`` says how
+        the layer's kernels lay a token's values out (default: MLA, one contiguous row per
+        token: ``[blocks, tokens, 576]`` on GPU, ``[blocks, 1, tokens, 576]`` on vLLM's CPU
+        build)."""
         layers: dict[str, _Layer] = {}
         for name, kv in kv_caches.items():
             index = layer_index(name)
-            row_elems = kv.shape[-1] if kv.dim() >= 2 else 0
-            row = row_elems * kv.element_size()
-            inner = [d for d in kv.shape[1:-1] if d != 1]
-            if row != self.row_bytes or not kv.is_contiguous() or len(inner) != 1:
+            planes = (
+                planes_of(name, kv) if planes_of is not None else mla_planes(kv, self.engine_tokens)
+            )
+            row = planes.row_values * kv.element_size()
+            if row != self.row_bytes or planes.block_tokens != self.engine_tokens:
                 raise LayoutError(
                     f"vLLM cache of layer {name} ({tuple(kv.shape)} {kv.dtype}) holds {row} bytes "
-                    f"per token, the tier layout {self.layout.model}/{self.layout.format_name} "
-                    f"{self.row_bytes}, in a contiguous cache of token rows; the kv_cache_dtype "
-                    "must match the tier's page format"
+                    f"per token in {planes.block_tokens}-token blocks, the tier layout "
+                    f"{self.layout.model}/{self.layout.format_name} {self.row_bytes} in "
+                    f"{self.engine_tokens}-token blocks; the kv_cache_dtype must match the "
+                    "tier's page format"
                 )
-            layers[name] = _Layer(index, kv.view(-1, row_elems))
+            layers[name] = _Layer(index, planes)
         indices = sorted(layer.index for layer in layers.values())
         if indices != list(range(self.layout.num_layers)):
             raise LayoutError(
@@ -186,6 +196,7 @@ class WorkerMover:
         dst: list[int] = []
         unverified: dict[str, list[TokenKey]] = {}
         t, e = self.tier_tokens, self.engine_tokens
+        verified = 0
         for namespace, group in by_ns.items():
             keys = [k for load in group for k in load.token_keys]
             try:
@@ -212,6 +223,7 @@ class WorkerMover:
                         break
                     rows.append(held + reads.rows[first + j])
                 first += len(load.token_keys)
+                verified += len(rows)
                 end = min(load.rows.stop, load.tier_position + len(rows) * t)
                 if end > load.rows.start:
                     dst.extend(load.rows.cache_rows(e)[: end - load.rows.start])
@@ -224,6 +236,7 @@ class WorkerMover:
                     outcome.failed_blocks |= load.rows.blocks_from(end, e)
                     outcome.failed_requests.add(load.req_id)
             held += len(reads.payloads)
+        self.counters.add(loaded_blocks=verified)
         if src:
             rows_all = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             with warnings.catch_warnings():  # read-only (shared) memory: only ever read here
@@ -275,10 +288,10 @@ class WorkerMover:
         offset = layer.index * self.page_bytes
         # The layer's pages of every block read, as [blocks, T, row] (a strided view, no copy),
         # gathered at the loaded positions and scattered into the cache's rows.
-        pages = outcome.rows[:, offset : offset + self.page_bytes].view(layer.rows.dtype)
+        pages = outcome.rows[:, offset : offset + self.page_bytes].view(layer.planes.dtype)
         tokens = pages.reshape(len(outcome.rows), self.tier_tokens, -1)
         src = tokens[outcome.src // self.tier_tokens, outcome.src % self.tier_tokens]
-        layer.rows.index_copy_(0, outcome.dst.to(layer.rows.device), src.to(layer.rows.device))
+        layer.planes.scatter(outcome.dst, src)
 
     def wait_layer(self, plan: StepPlan, name: str) -> None:
         """Make layer ``name``'s share of this step's verified blocks present in its cache."""
@@ -297,7 +310,7 @@ class WorkerMover:
         if layer is None or self._save_src is None or self._save_rows is None:
             return
         n = len(self._save_rows)
-        rows = layer.rows.index_select(0, self._save_src.to(layer.rows.device))
+        rows = layer.planes.gather(self._save_src)
         offset = layer.index * self.page_bytes
         self._save_rows[:, offset : offset + self.page_bytes] = (
             rows.view(torch.uint8).reshape(n, self.page_bytes).cpu()
@@ -347,12 +360,18 @@ class WorkerMover:
     def _store(
         self, by_ns: dict[str, tuple[list[TokenKey], list[int]]], rows: torch.Tensor
     ) -> None:
-        try:
+        def store() -> int:
+            stored = 0
             for namespace, (keys, idx) in by_ns.items():
                 try:
                     self.tier.store(namespace, keys, rows[idx].numpy())
+                    stored += len(keys)
                 except Exception as exc:  # a save that fails is a later miss, never an error
                     log.warning("tier store of %d blocks failed: %s", len(keys), exc)
+            return stored
+
+        try:
+            self.counters.timed_store(store)
         finally:
             self._save_slots.release()
 
@@ -372,6 +391,7 @@ class WorkerMover:
         if outcome is None:
             return set()
         failed, outcome.failed_blocks = outcome.failed_blocks, set()
+        self.counters.add(failed_blocks=len(failed))
         return failed
 
     def close(self) -> None:

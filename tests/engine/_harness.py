@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineRun", "run_engine", "ROOT"]
+__all__ = ["EngineRun", "run_engine", "ROOT", "same", "check_eviction_run"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,18 +36,63 @@ def run_engine(spec: dict[str, Any], work: Path, name: str, timeout: float = 900
     spec_path.write_text(json.dumps(spec))
     # vLLM's defaults, as a user's engine has them: nothing of this process's vLLM settings.
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine._run_engine", str(spec_path), str(out_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    log = proc.stdout + proc.stderr
-    (work / f"{name}.log").write_text(log)
-    if proc.returncode != 0 or not out_path.exists():
-        raise AssertionError(
-            f"engine {name} exited {proc.returncode}; its log ends:\n{log[-4000:]}"
+    log_path = work / f"{name}.log"
+    # The log goes to a file, not a pipe: a vLLM worker process that outlives the engine (its
+    # shutdown can block on a message queue whose reader is gone) would hold a pipe open.
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.engine._run_engine", str(spec_path), str(out_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
+        try:
+            returncode = proc.wait(timeout)
+        finally:
+            _end_session(proc.pid)
+    log = log_path.read_text(errors="replace")
+    if returncode != 0 or not out_path.exists():
+        raise AssertionError(f"engine {name} exited {returncode}; its log ends:\n{log[-4000:]}")
     return EngineRun(json.loads(out_path.read_text()), log)
+
+
+def _end_session(session: int, grace_s: float = 30.0) -> None:
+    """Let the engine's remaining processes (its session) exit, then kill what is left."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(session, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(session, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Two runs generated the same tokens with the same logprobs."""
+    return bool(got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"])
+
+
+def check_eviction_run(
+    small: EngineRun, reference: EngineRun, order: list[str], full: dict[str, int]
+) -> None:
+    """An engine over a tier smaller than its working set ran the prompts ``order`` names
+    (jobs ``name/i``), then ``q3`` and ``q4`` after its pool was killed: every answer is a full
+    tier hit (``full[name]`` tokens) or a full recompute, each equal to the reference engine's
+    run of that kind (``name/hit``, ``name/cold``); some were evicted; after the kill, all are
+    recomputed."""
+    hits = misses = 0
+    for i, name in enumerate(order):
+        got = small.results[f"{name}/{i}"]
+        assert got["cached"] in (0, full[name]), f"{name}/{i}: partial hit {got['cached']}"
+        kind = "hit" if got["cached"] else "cold"
+        hits, misses = hits + (kind == "hit"), misses + (kind == "cold")
+        assert same(got, reference.results[f"{name}/{kind}"]), f"{name}/{i} differs ({kind})"
+    assert hits and misses > 3, f"no eviction happened: {hits} hits, {misses} misses"
+    for name in ("q3", "q4"):
+        assert same(small.results[f"{name}/after-kill"], reference.results[f"{name}/cold"])

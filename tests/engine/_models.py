@@ -1,5 +1,6 @@
-"""Tiny DeepSeek-V2 (MLA) models with random weights, written at test time by ``transformers``
-(nothing downloaded), and the tier geometry that matches them."""
+"""Tiny models with random weights, written at test time by ``transformers`` (nothing
+downloaded): DeepSeek-V2 (MLA) and Qwen2 (grouped-query full attention), and the tier geometry
+that matches the MLA one."""
 
 from __future__ import annotations
 
@@ -40,6 +41,34 @@ def write_tiny_mla(root: Path, num_layers: int, seed: int = 0, max_positions: in
         torch_dtype="bfloat16",
     )
     DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(root)
+    return root
+
+
+GQA_HEADS, GQA_KV_HEADS = 8, 2
+
+
+def write_tiny_gqa(root: Path, num_layers: int, seed: int = 0, max_positions: int = 8192) -> Path:
+    """A ``num_layers``-layer Qwen2: 8 query heads over 2 KV heads of 32 values, bf16, no
+    sliding window; weights drawn wide, as the MLA model's."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=num_layers,
+        num_attention_heads=GQA_HEADS,
+        num_key_value_heads=GQA_KV_HEADS,
+        max_position_embeddings=max_positions,
+        rope_theta=10000.0,
+        initializer_range=0.15,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(root)
     return root
 
 

@@ -6,7 +6,7 @@ engine core and worker processes under it. The spec::
 
     {"model": dir, "block_size": int | null, "connector": {extra config} | null,
      "kv_transfer_config": {...} | null, "kv_role": "kv_both", "force_prefix_caching": bool,
-     "enforce_eager": bool, "max_tokens": int, "env": {name: value},
+     "enforce_eager": bool, "max_tokens": int, "env": {name: value}, "connector_stats": bool,
      "jobs": [{"name": str, "prompt": [ids], "salt": str | null, "max_tokens": int,
                "repeat": int, "fresh_cache": bool} | {"kill_pools": ray namespace}]}
 
@@ -20,6 +20,10 @@ prefix cache before each run, so that a repeated prompt is a tier hit every time
 without AMX (its reference MLA backend); a reference engine turns it back on, so that vLLM
 itself computes a cached prefix, through the same context-attention path a tier hit takes.
 The engine under test never sets it.
+
+``connector_stats``: vLLM's stat logging on, and each job's result gains ``connector``: the
+connector's counts over the job (``tessera_ray.serve._connector_stats``), as vLLM's stat
+logger received them from the scheduler and the workers.
 
 With ``"tries"`` instead of ``"jobs"`` (a list of connector configs), the engine is started
 once per config and each start's outcome is recorded: a line ``=== try N ===`` on stderr
@@ -69,6 +73,9 @@ def _engine(spec: dict[str, Any], connector: dict[str, Any] | None) -> Any:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": connector,
         }
+    if spec.get("connector_stats"):
+        kwargs["disable_log_stats"] = False
+        os.environ["VLLM_LOG_STATS_INTERVAL"] = "1e9"  # the jobs take the counts, not the log
     return LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -79,6 +86,19 @@ def _engine(spec: dict[str, Any], connector: dict[str, Any] | None) -> Any:
         seed=0,
         **kwargs,
     )
+
+
+def _take_connector_counts(llm: Any) -> dict[str, Any]:
+    """The connector counts vLLM's logging stat logger gathered since the last call."""
+    manager = llm.llm_engine.logger_manager
+    for stat_logger in manager.stat_loggers if manager is not None else ():
+        for per_engine in getattr(stat_logger, "per_engine_stat_loggers", {}).values():
+            logging = getattr(per_engine, "kv_connector_logging", None)
+            if logging is not None:
+                gathered = logging.transfer_stats_accumulator
+                logging.reset()
+                return dict(gathered.data) if gathered is not None else {}
+    raise AssertionError("connector_stats: vLLM built no logging stat logger")
 
 
 def _kill_pools(namespace: str) -> None:
@@ -146,6 +166,8 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
             "cached": results[0].num_cached_tokens or 0,
             "seconds": seconds[0] if len(seconds) == 1 else seconds,
         }
+        if spec.get("connector_stats"):
+            out["results"][job["name"]]["connector"] = _take_connector_counts(llm)
     return out
 
 

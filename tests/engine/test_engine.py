@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.engine._harness import check_eviction_run, same
 from tests.engine._models import tier_geometry, write_tiny_mla
 from tests.engine.conftest import EngineRun, engine_block_sizes, run, run_engine
 
@@ -52,10 +53,6 @@ def _full(prompt: list[int]) -> int:
     return (len(prompt) - 1) // TIER * TIER
 
 
-def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engines")
@@ -69,21 +66,25 @@ def models(work: Path) -> dict[str, Path]:
     }
 
 
-def _start_tier(work: Path, namespace: str, blocks: int, **geometry: Any) -> None:
+def _start_tier(
+    work: Path, namespace: str, blocks: int, hf_config: Path | None = None, **geometry: Any
+) -> None:
+    """A tier for the tiny model: from the model's own config.json (``hf_config``, as a user
+    names a model), or from our geometry fields."""
     path = work / f"{namespace}.json"
     import json
 
     path.write_text(json.dumps(tier_geometry(namespace, 4, **geometry)))
+    model = ["--hf-config", str(hf_config)] if hf_config else ["--config", str(path)]
     out = run(
-        "tessera-ray", "start", "--config", str(path), "--num-blocks", str(blocks),
-        "--ray-namespace", namespace,
-    )  # fmt: skip
+        "tessera-ray", "start", *model, "--num-blocks", str(blocks), "--ray-namespace", namespace
+    )
     assert "joined the Ray cluster" in out.stdout
 
 
 @pytest.fixture(scope="module")
-def tiers(ray_cluster: None, work: Path) -> Iterator[None]:
-    _start_tier(work, MAIN, 1024)
+def tiers(ray_cluster: None, work: Path, models: dict[str, Path]) -> Iterator[None]:
+    _start_tier(work, MAIN, 1024, hf_config=models["tiny4"])
     _start_tier(work, SMALL, 24)
     _start_tier(work, ODD, 8, block_tokens=24)
     yield
@@ -135,6 +136,7 @@ def _second(models: dict[str, Path], work: Path, block: int | None, name: str) -
         "model": str(models["tiny4"]),
         "block_size": block,
         "connector": {"backend": "ray", "ray_namespace": MAIN},
+        "connector_stats": True,
         "jobs": jobs,
     }
     return run_engine(spec, work, name)
@@ -196,6 +198,11 @@ def test_second_engine_gets_every_full_tier_block(pair: tuple[EngineRun, EngineR
     for name, prompt in PROMPTS.items():
         assert second.results[name]["cached"] == _full(prompt), name
     assert second.results["partial"]["cached"] == 10 * TIER
+    # The connector's own counts, as vLLM's stat logger received them, agree.
+    for name, blocks in [*((n, _full(p) // TIER) for n, p in PROMPTS.items()), ("partial", 10)]:
+        counts = second.results[name]["connector"]
+        assert (counts["loaded_blocks"], counts["failed_blocks"]) == (blocks, 0), name
+        assert counts["worker_steps"] >= 1 and counts["forward_s"] > 0
 
 
 def test_tier_hit_generates_what_vllms_own_prefix_hit_generates(
@@ -209,9 +216,9 @@ def test_tier_hit_generates_what_vllms_own_prefix_hit_generates(
     for name, prompt in PROMPTS.items():
         want = reference.results[f"{name}/hit"]
         assert want["cached"] == _full(prompt), f"{name}: vLLM's own hit is not like for like"
-        assert _same(second.results[name], want), f"{name}: {second.results[name]} != {want}"
+        assert same(second.results[name], want), f"{name}: {second.results[name]} != {want}"
     assert reference.results["partial"]["cached"] == 10 * TIER
-    assert _same(second.results["partial"], reference.results["partial"])
+    assert same(second.results["partial"], reference.results["partial"])
 
 
 def test_another_cache_salt_gets_nothing_from_the_tier(
@@ -219,8 +226,8 @@ def test_another_cache_salt_gets_nothing_from_the_tier(
 ) -> None:
     reference, second = pair
     salted = second.results["mid/salted"]
-    assert salted["cached"] == 0
-    assert _same(salted, reference.results["mid/cold"])
+    assert salted["cached"] == 0 and salted["connector"]["loaded_blocks"] == 0
+    assert same(salted, reference.results["mid/cold"])
 
 
 def test_tier_smaller_than_the_working_set_and_a_killed_pool(
@@ -244,17 +251,7 @@ def test_tier_smaller_than_the_working_set_and_a_killed_pool(
         "jobs": jobs,
     }
     small = run_engine(spec, work, "small-tier")
-    hits = misses = 0
-    for i, name in enumerate(order):
-        got = small.results[f"{name}/{i}"]
-        full = _full(EVICT[name])
-        assert got["cached"] in (0, full), f"{name}/{i}: partial hit {got['cached']}"
-        kind = "hit" if got["cached"] else "cold"
-        hits, misses = hits + (kind == "hit"), misses + (kind == "cold")
-        assert _same(got, reference.results[f"{name}/{kind}"]), f"{name}/{i} differs ({kind})"
-    assert hits and misses > 3, f"no eviction happened: {hits} hits, {misses} misses"
-    for name in ("q3", "q4"):
-        assert _same(small.results[f"{name}/after-kill"], reference.results[f"{name}/cold"])
+    check_eviction_run(small, reference, order, {n: _full(p) for n, p in EVICT.items()})
 
 
 def test_bad_configuration_fails_at_engine_start_with_one_line(

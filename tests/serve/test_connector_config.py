@@ -209,6 +209,23 @@ def test_planner_loads_after_a_local_hit_that_ends_inside_a_tier_block() -> None
     assert min(load.rows.cache_rows(16)) == 80
 
 
+@pytest.mark.parametrize("can_load", [True, False])
+def test_planner_does_not_store_again_what_vllm_already_holds(can_load: bool) -> None:
+    """A prompt whose first 150 tokens vLLM holds in its own prefix cache (stored in the tier
+    when this engine computed them, or loaded from it): only the tier block completed after
+    them is saved, not the whole prefix again on every local hit."""
+    tier, tokens = _Tier(), list(range(1, 201))
+    planner = SchedulerPlanner(
+        tier, LAYOUT, namespace="app", model_name="m", block_tokens=16, can_load=can_load,
+        can_save=True,
+    )  # fmt: skip
+    request = _Request("a", tokens)
+    assert planner.matched_tokens(request, 144) == 0  # the tier holds nothing after them
+    planner.after_alloc(request, list(range(13)), 0)
+    (save,) = planner.build([NewScheduled("a", list(range(13)), 144, 56)], []).saves
+    assert len(save.token_keys) == 1 and (save.rows.start, save.rows.stop) == (128, 192)
+
+
 def test_planner_answers_ask_again_while_the_lookup_is_out() -> None:
     """The scheduler thread never waits on a slow tier: a lookup still in flight answers None
     (vLLM skips the request this step) and the next call takes its answer, one lookup in all."""
@@ -325,6 +342,12 @@ def test_rows_saved_from_one_engine_load_into_another_byte_for_byte(engine_token
     rows = TokenRows(tuple(b_ids[: -(-150 // engine_tokens)]), 0, 0, 150)
     load = BlockLoad("b", "app", save.token_keys, tuple(h for h in hashes if h), 0, rows)
     assert _run_step(reader, b, StepPlan(loads=(load,))) == set()
+    saved, loaded = writer.counters.take(), reader.counters.take()
+    assert saved is not None and loaded is not None
+    assert (saved["saved_blocks"], saved["loaded_blocks"]) == (3, 0)
+    assert saved["store_s"] > 0
+    assert (loaded["loaded_blocks"], loaded["saved_blocks"], loaded["failed_blocks"]) == (3, 0, 0)
+    assert writer.counters.take() is None  # taken once
 
     for name in a:
         flat_a, flat_b = a[name].view(-1, ROW_VALUES), b[name].view(-1, ROW_VALUES)
@@ -387,6 +410,8 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     mover, caches = _mover(tier, 3)
     assert _run_step(mover, caches, StepPlan(loads=(load,))) == {2, 0}
     assert all(not kv.any() for kv in caches.values())
+    counts = mover.counters.take()
+    assert counts is not None and (counts["loaded_blocks"], counts["failed_blocks"]) == (0, 2)
     # The connector reported the block; the pool proved it rotten and dropped it, so the save
     # that follows vLLM's recompute stores it afresh and the next request loads it.
     assert tier.service.status().rotten_blocks == 1

@@ -3,6 +3,7 @@ in-process tier (``backend="local"``). See ``_engine.py`` for how a step is driv
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from tessera_ray.errors import TierConfigError
+from tessera_ray.errors import LayoutError, TierConfigError
 from tessera_ray.serve.connector import (
     TesseraConnector,
     TesseraConnectorConfig,
@@ -295,3 +296,20 @@ def test_deploy_example_settings_are_valid() -> None:
     assert cfg.backend == "ray"
     size = llm["engine_kwargs"]["block_size"]
     assert size % BLOCK == 0 or BLOCK % size == 0
+
+
+def test_a_tier_of_another_entry_with_the_same_bytes_is_refused() -> None:
+    """Bytes per token are not enough: an MLA tier (512 + 64 bf16 per token) and a full-attention
+    engine with one KV head of 288 values (K 288 + V 288 bf16) both hold 1,152 B per token, and
+    a kv-fp16 tier holds as many bytes as a kv-bf16 engine; each pair is refused, naming both."""
+    from tessera_ray.layout import FullAttentionConfig, MLAConfig, build_layout
+    from tessera_ray.serve._connector_vllm import _check_engine
+
+    mla = build_layout(MLAConfig(name="t", num_layers=2, num_heads=4))
+    full = FullAttentionConfig(name="e", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=288)
+    with pytest.raises(LayoutError, match=r"512 bf16 c_kv .* the engine has 2 layers of 288 bf16"):
+        _check_engine(mla, build_layout(full), 64, None)
+    fp16 = build_layout(dataclasses.replace(full, format="kv-fp16"))
+    with pytest.raises(LayoutError, match=r"288 fp16 k .* 288 bf16 k"):
+        _check_engine(fp16, build_layout(full), 16, None)
+    _check_engine(build_layout(full), build_layout(full), 16, None)  # the same: accepted

@@ -1,0 +1,96 @@
+"""A layer of vLLM's cache as tier rows, for every packing the connector knows: the planes
+gather each token's K of every head then V of every head, and a scatter writes exactly those
+values back and nothing else. The packings are written here element by element from their
+definitions (docs/full-attention-caches.md), independently of the views under test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tessera_ray.errors import LayoutError
+from tessera_ray.serve._connector_planes import PLANE_BUILDERS, mla_planes
+
+B, H, N, D = 3, 2, 32, 32
+
+
+def _side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(B, H, N, 2 * D, dtype=k.dtype)
+    for b in range(B):
+        for h in range(H):
+            for r in range(N):
+                out[b, h, r, :D] = k[b, r, h]
+                out[b, h, r, D:] = v[b, r, h]
+    return out
+
+
+def _cpu_vec(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(B, H, 2 * N * D, dtype=k.dtype)
+    for r in range(N):
+        for d in range(D):
+            flat[:, :, d * N + r] = k[:, r, :, d]
+            flat[:, :, N * D + r * D + d] = v[:, r, :, d]
+    return flat.view(B, H, N, 2 * D)
+
+
+def _cpu_amx(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(B, H, 2 * N * D, dtype=k.dtype)
+    for r in range(N):
+        for d in range(D):
+            ki = ((r // 16) * (D // 2) + d // 2) * 32 + (r % 16) * 2 + d % 2
+            vi = ((d // 16) * (N // 2) + r // 2) * 32 + (d % 16) * 2 + r % 2
+            flat[:, :, ki] = k[:, r, :, d]
+            flat[:, :, N * D + vi] = v[:, r, :, d]
+    return flat.view(B, H, N, 2 * D)
+
+
+PACKINGS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "kv-side-by-side": _side_by_side,
+    "cpu-vec": _cpu_vec,
+    "cpu-vec16": _cpu_vec,
+    "cpu-amx": _cpu_amx,
+}
+
+
+def test_every_builder_is_checked_here() -> None:
+    assert set(PACKINGS) == set(PLANE_BUILDERS)
+
+
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
+def test_planes_read_and_write_each_tokens_k_then_v(packing: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(B, N, H, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(B, N, H, D, generator=gen).to(torch.bfloat16)
+    cache = PACKINGS[packing](k, v)
+    planes = PLANE_BUILDERS[packing](cache, D)
+    assert planes.row_values == 2 * H * D and planes.block_tokens == N
+
+    rows = torch.tensor([2 * N + 5, 0, N + 31, 17])  # (block, token) = (2,5) (0,0) (1,31) (0,17)
+    got = planes.gather(rows)
+    for i, row in enumerate(rows.tolist()):
+        b, r = divmod(row, N)
+        want = torch.cat([k[b, r].reshape(-1), v[b, r].reshape(-1)])
+        assert torch.equal(got[i], want), (packing, row)
+
+    # Scatter new rows into a copy: exactly those tokens' values change, to the new ones.
+    before = cache.clone()
+    new = torch.randn(len(rows), 2 * H * D, generator=gen).to(torch.bfloat16)
+    planes.scatter(rows, new)
+    assert torch.equal(planes.gather(rows), new)
+    k2, v2 = k.clone(), v.clone()
+    for i, row in enumerate(rows.tolist()):
+        b, r = divmod(row, N)
+        k2[b, r] = new[i, : H * D].view(H, D)
+        v2[b, r] = new[i, H * D :].view(H, D)
+    assert torch.equal(cache, PACKINGS[packing](k2, v2))
+    assert not torch.equal(cache, before)
+
+
+def test_mla_planes_are_token_rows_and_refuse_another_shape() -> None:
+    cache = torch.arange(4 * 16 * 576, dtype=torch.float32).view(4, 1, 16, 576)
+    planes = mla_planes(cache, 16)
+    assert torch.equal(planes.gather(torch.tensor([17])), cache[1, 0, 1].view(1, -1))
+    with pytest.raises(LayoutError, match="not a contiguous cache of 32-token blocks"):
+        mla_planes(cache.view(4, 16, 1, 576).transpose(1, 2), 32)
