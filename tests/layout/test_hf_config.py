@@ -2,7 +2,7 @@
 read with Hugging Face's defaults, give exactly the bytes of the matching preset; a missing,
 mistyped or contradictory field is refused with one line naming it (exit code 2 from the CLI).
 
-The configs below carry the public models' published numbers (REFERENCE.md geometry table)."""
+The configs below carry the public models' published config.json numbers."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_cli_size_reads_a_model_directory(
     assert main(["size", "--hf-config", str(model), "--context", "32k", "--json"]) == 0
     (got,) = json.loads(capsys.readouterr().out)["models"]
     assert got["model"] == "my-llama"
-    # REFERENCE.md: GQA-8 over 80 layers, width 128, bf16 is 327,680 B per position.
+    # GQA-8 over 80 layers, width 128, bf16: 2 x 80 x 8 x 128 x 2 = 327,680 B per position.
     assert got["contexts"][0]["payload_bytes"] == 327_680 * 32 * 1024
 
     bad = tmp_path / "bad.json"
