@@ -67,6 +67,10 @@ class TesseraConnectorConfig:
     lookup_wait_s: float = 0.002
     """Longest vLLM's scheduler thread waits for a tier lookup in one step; a lookup still on
     its way then answers "ask again" and the request waits for the next step."""
+    store_wait_s: float = 5.0
+    """Longest a request waits for tier blocks this engine is still storing (its stores run
+    behind the engine) before recomputing them; 0: never wait. A prompt repeated right after it
+    was computed then loads its prefix instead of computing it again."""
     nixl_staging_bytes: int = 256 << 20
     """Host memory the worker registers with NIXL once, to read tier blocks from this node's
     pool one-sided (``backend="ray"``); a step's loads that do not fit, and pools without
@@ -105,6 +109,9 @@ class TesseraConnectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise TierConfigError(f"{_WHERE}: {name} must be positive, got {value!r}")
+        wait = self.store_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
+            raise TierConfigError(f"{_WHERE}: store_wait_s must be >= 0, got {wait!r}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> TesseraConnectorConfig:

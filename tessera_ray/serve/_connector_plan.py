@@ -22,6 +22,12 @@ is a miss at the directory even for equal tokens.
 The scheduler thread never waits on the tier for long: a lookup runs in the background and
 :meth:`SchedulerPlanner.matched_tokens` answers ``None`` ("ask again next step") until it is
 back, waiting at most ``lookup_wait_s`` each time.
+
+A request whose prefix this engine is storing right now (its tier stores run behind the engine)
+would otherwise miss the blocks still on their way and recompute them: when the tier's run of
+blocks stops at one whose store is still running (the workers report each step's stores done,
+:meth:`SchedulerPlanner.stores_done`), the planner asks the tier again (answering ``None``
+meanwhile) until the store ends, or ``store_wait_s`` after it was handed over at most.
 """
 
 from __future__ import annotations
@@ -158,6 +164,8 @@ class StepPlan:
 
     loads: tuple[BlockLoad, ...] = ()
     saves: tuple[BlockSave, ...] = ()
+    save_seq: int = 0
+    """Names this step's saves when a worker reports their stores done (0: no saves)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,10 +219,15 @@ class _Tracked:
     known_blocks: int = 0
     """Leading tier blocks the tier holds or that were already handed to a worker to save."""
     lookup: _Lookup | None = None
+    relook_s: float = 0.0
+    """No new lookup before this time (waiting on blocks this engine is storing)."""
     match: _Match | None = None
     load: BlockLoad | None = None
     loaded: TokenRows | None = None
     """Where the last load wrote, to map a failed engine block back to a tier block."""
+
+
+_RELOOK_S = 0.01  # between lookups of a request waiting on this engine's own stores
 
 
 def tenant_namespace(base: str, cache_salt: str | None) -> str:
@@ -274,6 +287,8 @@ class SchedulerPlanner:
         extra_keys: ExtraKeysFn = _no_extra_keys,
         lookup_wait_s: float = 0.002,
         lookup_timeout_s: float = 30.0,
+        store_wait_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_block_sizes(layout.block_tokens, block_tokens)
         self.tier = tier
@@ -286,6 +301,14 @@ class SchedulerPlanner:
         self.extra_keys = extra_keys
         self.lookup_wait_s = lookup_wait_s
         self.lookup_timeout_s = lookup_timeout_s
+        self.store_wait_s = store_wait_s
+        self._clock = clock
+        self._save_seq = 0
+        self._storing: dict[TokenKey, int] = {}
+        """Keys whose store is still running, to the step's ``save_seq`` that handed them over."""
+        self._stores: dict[int, tuple[float, list[TokenKey]]] = {}
+        """Per ``save_seq`` still running, when lookups stop waiting for it and its keys (in
+        ``save_seq`` order, so in deadline order too)."""
         self._plain_fingerprint = self._fingerprint(model_name, None)
         self._model_name = model_name
         self._requests: dict[str, _Tracked] = {}
@@ -351,17 +374,19 @@ class SchedulerPlanner:
             return 0
         keys = self._keys(tracked, limit)[first:limit]
         pending = tracked.lookup
+        if pending is None and self._clock() < tracked.relook_s:
+            return None
         if pending is None or pending.first != first or pending.keys != keys:
             try:
                 future = self.tier.lookup_async(tracked.namespace, keys)
             except Exception as exc:  # a tier that is down is a miss, never a failed request
                 log.warning("tier lookup failed, treating as a miss: %s", exc)
                 return 0
-            pending = tracked.lookup = _Lookup(first, keys, future, time.monotonic())
+            pending = tracked.lookup = _Lookup(first, keys, future, self._clock())
         try:
             found = pending.future.result(timeout=self.lookup_wait_s)
         except TimeoutError:
-            if time.monotonic() - pending.started_s < self.lookup_timeout_s:
+            if self._clock() - pending.started_s < self.lookup_timeout_s:
                 return None
             pending.future.cancel()
             tracked.lookup = None
@@ -377,10 +402,40 @@ class SchedulerPlanner:
             if h is None:
                 break
             hashes.append(h)
+        if self._still_storing(keys, len(hashes)):
+            tracked.relook_s = self._clock() + _RELOOK_S
+            return None
         if not hashes:
             return 0
         tracked.match = _Match(num_computed_tokens, first, keys[: len(hashes)], hashes)
         return (first + len(hashes)) * bs - num_computed_tokens
+
+    def _still_storing(self, keys: Sequence[TokenKey], found: int) -> bool:
+        """Whether the first of ``keys`` the tier did not hold (``keys[found]``) is one this
+        engine is storing and may still land: worth asking again rather than recomputing."""
+        self._forget_expired()
+        for key in keys[:found]:
+            self._storing.pop(key, None)
+        return found < len(keys) and keys[found] in self._storing
+
+    def _forget_expired(self) -> None:
+        now = self._clock()
+        while self._stores:
+            oldest = next(iter(self._stores))
+            if self._stores[oldest][0] > now:
+                break
+            self._store_ended(oldest)
+
+    def _store_ended(self, seq: int) -> None:
+        _, keys = self._stores.pop(seq, (0.0, []))
+        for key in keys:
+            if self._storing.get(key) == seq:  # not handed over again by a later step
+                del self._storing[key]
+
+    def stores_done(self, seqs: Sequence[int]) -> None:
+        """Workers finished (stored, or gave up on) the saves of the steps ``seqs``."""
+        for seq in seqs:
+            self._store_ended(seq)
 
     def after_alloc(
         self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
@@ -442,7 +497,15 @@ class SchedulerPlanner:
                 save = self._save(tracked, done)
                 if save is not None:
                     saves.append(save)
-        return StepPlan(tuple(loads), tuple(saves))
+        if not saves:
+            return StepPlan(tuple(loads))
+        self._save_seq += 1
+        if self.can_load and self.store_wait_s > 0:
+            self._forget_expired()
+            keys = [k for save in saves for k in save.token_keys]
+            self._stores[self._save_seq] = (self._clock() + self.store_wait_s, keys)
+            self._storing.update(dict.fromkeys(keys, self._save_seq))
+        return StepPlan(tuple(loads), tuple(saves), self._save_seq)
 
     def _save(self, tracked: _Tracked, done_tokens: int) -> BlockSave | None:
         # Only tokens already in the request count: positions of speculative draft tokens

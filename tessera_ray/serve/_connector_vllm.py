@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.model_executor.models.utils import extract_layer_index
@@ -58,7 +59,12 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["TesseraConnector", "TesseraConnectorMetadata", "TesseraConnectorStats"]
+__all__ = [
+    "TesseraConnector",
+    "TesseraConnectorMetadata",
+    "TesseraConnectorStats",
+    "TesseraWorkerMetadata",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,18 @@ class TesseraConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,unused
     """What the scheduler's connector sends every worker for one step."""
 
     plan: StepPlan
+
+
+@dataclass(frozen=True)
+class TesseraWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,unused-ignore]
+    """What the workers' connectors send the scheduler's for one step: the steps whose tier
+    stores ended, so lookups stop waiting for their blocks."""
+
+    done_saves: tuple[int, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TesseraWorkerMetadata)
+        return TesseraWorkerMetadata(self.done_saves + other.done_saves)
 
 
 @dataclass
@@ -268,6 +286,7 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 extra_keys=generate_block_hash_extra_keys,
                 lookup_wait_s=self.config.lookup_wait_s,
                 lookup_timeout_s=self.config.timeout_s,
+                store_wait_s=self.config.store_wait_s,
             )
         else:
             # MLA caches are replicated across tensor-parallel ranks: every rank loads, one
@@ -336,6 +355,9 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     @counted("scheduler_s")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._planner().load_failed(set(connector_output.invalid_block_ids or ()))
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, TesseraWorkerMetadata):
+            self._planner().stores_done(meta.done_saves)
 
     @counted("scheduler_s")
     def request_finished(
@@ -383,6 +405,10 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     @counted("forward_s")
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._mover().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        done = self._mover().take_done_saves()
+        return TesseraWorkerMetadata(tuple(done)) if done else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self.counters.take()

@@ -113,6 +113,8 @@ class WorkerMover:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-save")
         self._save_slots = threading.BoundedSemaphore(max_pending_saves)
+        self._done_lock = threading.Lock()
+        self._done_saves: list[int] = []
         self._closed = False
         self._reset()
 
@@ -340,8 +342,10 @@ class WorkerMover:
         self._save_rows = self._save_src = None  # stored once, even if finish runs twice
         if rows is None or save_src is None:
             return
+        seq = self._plan.save_seq
         if len(self._saved_layers) != self.layout.num_layers:
             log.warning("only %d layers saved this step; not storing", len(self._saved_layers))
+            self._store_done(seq)
             return
         failed = self._outcome.failed_requests if self._outcome is not None else set()
         by_ns: dict[str, tuple[list[TokenKey], list[int]]] = {}
@@ -353,12 +357,24 @@ class WorkerMover:
                 idx.extend(range(at, at + len(save.token_keys)))
             at += len(save.token_keys)
         if not by_ns:
+            self._store_done(seq)
             return
         self._save_slots.acquire()  # bounded: a tier slower than the engine holds it here
-        self._writer.submit(self._store, by_ns, rows)
+        self._writer.submit(self._store, by_ns, rows, seq)
+
+    def _store_done(self, seq: int) -> None:
+        with self._done_lock:
+            self._done_saves.append(seq)
+
+    def take_done_saves(self) -> list[int]:
+        """The ``save_seq`` of every step whose stores ended (landed or not) since the last
+        call: the scheduler stops waiting for their blocks."""
+        with self._done_lock:
+            done, self._done_saves = self._done_saves, []
+        return done
 
     def _store(
-        self, by_ns: dict[str, tuple[list[TokenKey], list[int]]], rows: torch.Tensor
+        self, by_ns: dict[str, tuple[list[TokenKey], list[int]]], rows: torch.Tensor, seq: int
     ) -> None:
         def store() -> int:
             stored = 0
@@ -374,6 +390,7 @@ class WorkerMover:
             self.counters.timed_store(store)
         finally:
             self._save_slots.release()
+            self._store_done(seq)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every store handed over so far is done; ``False`` on timeout."""

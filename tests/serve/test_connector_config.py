@@ -243,6 +243,79 @@ def test_planner_answers_ask_again_while_the_lookup_is_out() -> None:
     assert tier.calls == 1
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _waiting_planner(tier: _Tier, clock: _Clock) -> SchedulerPlanner:
+    return SchedulerPlanner(
+        tier, LAYOUT, namespace="app", model_name="m", block_tokens=64, can_load=True,
+        can_save=True, store_wait_s=2.0, clock=clock,
+    )  # fmt: skip
+
+
+def test_planner_waits_for_blocks_this_engine_is_still_storing() -> None:
+    """A prompt this engine has just computed, asked again before its tier stores landed: the
+    planner asks the tier again (answering None meanwhile) and takes the blocks once they land,
+    rather than recomputing them."""
+    tier, clock, tokens = _Tier(), _Clock(), list(range(1, 201))
+    planner = _waiting_planner(tier, clock)
+    planner.matched_tokens(_Request("a", tokens), 0)
+    plan = planner.build([NewScheduled("a", [1, 2, 3, 4], 0, 200)], [])
+    planner.finished("a")
+    again = _Request("b", tokens)
+    assert planner.matched_tokens(again, 0) is None  # the stores are still on their way
+    calls = tier.calls
+    assert planner.matched_tokens(again, 0) is None  # no new lookup within the re-ask delay
+    assert tier.calls == calls
+    _store_saves(tier, plan)
+    clock.now += 0.05
+    assert planner.matched_tokens(again, 0) == 192
+    # Once seen in the tier the keys are no longer waited on: a later miss is a plain miss.
+    tier.held.clear()
+    clock.now += 0.05
+    assert planner.matched_tokens(_Request("c", tokens), 0) == 0
+
+
+def test_planner_stops_waiting_for_a_store_that_never_lands() -> None:
+    """A store that was dropped (or evicted at once) is waited on for ``store_wait_s`` at most;
+    then the request recomputes. A block another engine stored is never waited on."""
+    tier, clock, tokens = _Tier(), _Clock(), list(range(1, 201))
+    planner = _waiting_planner(tier, clock)
+    planner.matched_tokens(_Request("a", tokens), 0)
+    planner.build([NewScheduled("a", [1, 2, 3, 4], 0, 200)], [])
+    other = _waiting_planner(tier, clock)  # another engine: these stores are not its own
+    assert other.matched_tokens(_Request("d", tokens), 0) == 0
+    again = _Request("b", tokens)
+    assert planner.matched_tokens(again, 0) is None
+    clock.now += 1.0
+    assert planner.matched_tokens(again, 0) is None
+    clock.now += 1.5
+    assert planner.matched_tokens(again, 0) == 0
+
+
+def test_planner_stops_waiting_once_the_workers_report_the_store_ended() -> None:
+    """A store the workers report ended without its blocks in the tier (it failed): a miss at
+    once. A later step's store of the same keys is waited on again."""
+    tier, clock, tokens = _Tier(), _Clock(), list(range(1, 201))
+    planner = _waiting_planner(tier, clock)
+    planner.matched_tokens(_Request("a", tokens), 0)
+    first = planner.build([NewScheduled("a", [1, 2, 3, 4], 0, 200)], [])
+    planner.finished("a")
+    planner.matched_tokens(_Request("b", tokens), 0)
+    second = planner.build([NewScheduled("b", [5, 6, 7, 8], 0, 200)], [])
+    assert 0 < first.save_seq < second.save_seq
+    planner.stores_done([first.save_seq])
+    assert planner.matched_tokens(_Request("c", tokens), 0) is None  # b's store still runs
+    planner.stores_done([second.save_seq])
+    clock.now += 0.05
+    assert planner.matched_tokens(_Request("c", tokens), 0) == 0
+
+
 def test_planner_saves_a_tier_block_once_its_last_engine_block_is_computed() -> None:
     """With 16-token engine blocks a tier block fills over several steps: it is saved in the
     step that computes its 64th position, from the four engine blocks that hold it."""

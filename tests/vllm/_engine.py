@@ -250,7 +250,10 @@ class Engine:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=set(errors)),
+            kv_connector_output=KVConnectorOutput(
+                invalid_block_ids=set(errors),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            ),
         )
         self.scheduler.update_from_output(out, runner_output)
         return StepResult(out, set(errors))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +276,54 @@ def test_slow_lookup_answers_ask_again(model_dir: Path, extra: dict[str, Any]) -
     time.sleep(0.3)
     assert engine.connector.get_num_new_matched_tokens(request, 0) == (192, False)
     tier.lookup_async = slow
+
+
+def test_a_prompt_asked_again_waits_for_this_engines_stores_then_loads(
+    model_dir: Path, extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores run behind the engine: a prompt asked again before they land waits for them
+    (None: ask again) instead of recomputing, then loads every full tier block."""
+    engine = Engine(vllm_config(model_dir, extra))
+    tier, mover = engine.worker.tier, engine.worker.mover
+    gate = threading.Event()
+    store = tier.store
+
+    def held_store(*args: Any) -> None:
+        gate.wait(10.0)
+        store(*args)
+
+    monkeypatch.setattr(tier, "store", held_store)
+    monkeypatch.setattr(mover, "flush", lambda timeout_s=None: True)  # the step must not wait
+    stored = prompt(200)
+    engine.scheduler.add_request(engine.request("A", stored))
+    engine.step()
+    again = engine.request("B", stored)
+    assert engine.connector.get_num_new_matched_tokens(again, 0) == (None, False)
+    gate.set()
+    monkeypatch.undo()
+    assert mover.flush(10.0)
+    deadline = time.monotonic() + 5.0
+    while (got := engine.connector.get_num_new_matched_tokens(again, 0)) == (None, False):
+        assert time.monotonic() < deadline, "still waiting after the store landed"
+        time.sleep(0.02)
+    assert got == (192, False)
+
+
+def test_a_store_that_failed_is_not_waited_for(
+    model_dir: Path, extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers report each step's stores done through vLLM's worker metadata, failed ones
+    too: the scheduler then recomputes at once rather than waiting out store_wait_s."""
+    engine = Engine(vllm_config(model_dir, {**extra, "store_wait_s": 60.0}))
+
+    def failing_store(*args: Any) -> None:
+        raise ConnectionError("pool unreachable")
+
+    monkeypatch.setattr(engine.worker.tier, "store", failing_store)
+    stored = prompt(200)
+    engine.scheduler.add_request(engine.request("A", stored))
+    engine.step()  # its worker metadata reports the step's stores ended
+    assert engine.connector.get_num_new_matched_tokens(engine.request("B", stored), 0) == (0, False)
 
 
 def test_layers_are_registered_in_model_order(model_dir: Path, extra: dict[str, Any]) -> None:
