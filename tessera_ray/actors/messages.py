@@ -97,16 +97,25 @@ class BlockReads:
     """uint8 ``[blocks held, block_bytes]``, the held keys' rows in key order."""
     rows: tuple[int, ...]
     """Per key, its row in ``payloads``; -1 where not held."""
+    verified: bool = False
+    """Every held block's bytes were checked against its seal where they landed (a NIXL read
+    hashes each page as it arrives), so the reader need not hash them again."""
 
     @classmethod
-    def of(cls, block_hashes: Sequence[BlockHash | None], payloads: np.ndarray) -> BlockReads:
+    def of(
+        cls,
+        block_hashes: Sequence[BlockHash | None],
+        payloads: np.ndarray,
+        *,
+        verified: bool = False,
+    ) -> BlockReads:
         rows, held = [], 0
         for h in block_hashes:
             rows.append(-1 if h is None else held)
             held += h is not None
         if held != len(payloads):
             raise ValueError(f"{held} blocks held, {len(payloads)} payload rows")
-        return cls(tuple(block_hashes), payloads, tuple(rows))
+        return cls(tuple(block_hashes), payloads, tuple(rows), verified)
 
     def __len__(self) -> int:
         return len(self.block_hashes)

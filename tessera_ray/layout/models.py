@@ -26,7 +26,7 @@ __all__ = [
     "ModelConfig",
     "PRESETS",
     "DEFAULT_FORMATS",
-    "ENGINE_PAGE_TOKENS",
+    "BASE_BLOCK_TOKENS",
     "V4_FLASH_COMPRESS_RATIOS",
     "build_layout",
     "preset",
@@ -36,8 +36,11 @@ __all__ = [
 
 BF16_BYTES = 2
 
-ENGINE_PAGE_TOKENS: dict[Family, int] = {
-    Family.FULL_KV: 16,  # vLLM's default paged-attention block size
+BASE_BLOCK_TOKENS: dict[Family, int] = {
+    # The tier block of each family before the strides of its compressed layers are folded in.
+    # Not vLLM's 16-token page: a tier block's costs (lookup key, pin, seal, hash, store) are
+    # per block, so 64 tokens spanning four engine pages, like MLA's, amortise them.
+    Family.FULL_KV: 64,
     Family.MLA: 64,  # FlashMLA's page: k_cache [num_blocks, 64, 1, 576]
     Family.V4: 64,  # FlashMLA's page again; the lcm with HCA's 128 makes V4 blocks 128
 }
@@ -241,7 +244,7 @@ def build_layout(config: ModelConfig) -> ModelLayout:
     format_info(config.format, config.family)
     layers, mha = _BUILDERS[type(config)](config)
     strides = [s.stride_tokens for specs in layers for s in specs if not s.windowed]
-    derived = math.lcm(ENGINE_PAGE_TOKENS[config.family], *strides)
+    derived = math.lcm(BASE_BLOCK_TOKENS[config.family], *strides)
     block = config.block_tokens if config.block_tokens is not None else derived
     return ModelLayout(
         model=config.name,

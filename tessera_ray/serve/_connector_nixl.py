@@ -75,7 +75,7 @@ class PoolReader:
             else:
                 log.warning("a block read over NIXL does not match its seal; recomputing it")
         rows = self.staging.data[: n * per].view(n, per * self.staging.page_bytes).numpy()
-        return BlockReads.of(hashes, rows if len(good) == n else rows[good])
+        return BlockReads.of(hashes, rows if len(good) == n else rows[good], verified=True)
 
     def close(self) -> None:
         self.transport.close()

@@ -89,6 +89,19 @@ class LayerPlanes:
             at += width
 
 
+    def write_blocks(self, blocks: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (``[len(blocks) x block_tokens, row_values]``, in token order) into
+        the whole cache blocks ``blocks``: one block-indexed copy per plane."""
+        blocks = blocks.to(self.device)
+        values = values.to(self.device)
+        at = 0
+        for p in self.planes:
+            width = _numel(p.shape[3:])
+            part = values[:, at : at + width].reshape(len(blocks), *p.shape[1:])
+            p.index_copy_(0, blocks, part)
+            at += width
+
+
 def _token_rows(plane: torch.Tensor) -> torch.Tensor | None:
     """``plane`` as ``[blocks x tokens, values]`` where its tokens are contiguous rows (MLA),
     for the indexed copies torch does fastest; ``None`` otherwise."""

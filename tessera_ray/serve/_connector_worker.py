@@ -30,6 +30,7 @@ attention finishes; the tier store itself runs on a background thread, off the f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import warnings
@@ -47,6 +48,7 @@ from tessera_ray.layout import ModelLayout
 from tessera_ray.serve._connector_plan import (
     BlockLoad,
     StepPlan,
+    TokenRows,
     check_block_sizes,
     check_paged_layout,
 )
@@ -59,18 +61,25 @@ __all__ = ["WorkerMover", "LoadOutcome"]
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """One load's verified positions: tier blocks ``blocks`` (rows of the staged payloads, in
+    order) hold positions from ``skip`` rows into the first of them, written to ``rows``."""
+
+    blocks: torch.Tensor
+    skip: int
+    rows: TokenRows
+
+
 @dataclass(slots=True)
 class LoadOutcome:
     """A step's verified tier blocks (staged rows), where their positions go, and what
     failed."""
 
     rows: torch.Tensor | None = None
-    """uint8 ``[tier blocks read, block_bytes]``: the payloads as read (the rows ``src`` names
+    """uint8 ``[tier blocks read, block_bytes]``: the payloads as read (the rows a run names
     are verified; the others are never copied)."""
-    src: torch.Tensor | None = None
-    """Per position loaded, its token row among the read tier blocks (``row * T + r``)."""
-    dst: torch.Tensor | None = None
-    """Per position loaded, its row in a layer's cache viewed as one row per token."""
+    runs: list[_Run] = field(default_factory=list)
     failed_blocks: set[int] = field(default_factory=set)
     failed_requests: set[str] = field(default_factory=set)
 
@@ -80,6 +89,11 @@ class _Layer:
     index: int
     planes: LayerPlanes
     """The layer's cache as tier rows (views, no copy)."""
+
+
+def _rows(rows: TokenRows, engine_tokens: int, start: int, stop: int) -> torch.Tensor:
+    """The cache rows of positions ``[start, stop)`` of ``rows``."""
+    return torch.tensor(dataclasses.replace(rows, stop=stop).cache_rows(engine_tokens, start))
 
 
 class WorkerMover:
@@ -194,8 +208,6 @@ class WorkerMover:
             by_ns.setdefault(load.namespace, []).append(load)
         arrays: list[np.ndarray] = []
         held = 0  # payload rows of the arrays before the current one
-        src: list[int] = []
-        dst: list[int] = []
         unverified: dict[str, list[TokenKey]] = {}
         t, e = self.tier_tokens, self.engine_tokens
         verified = 0
@@ -220,7 +232,7 @@ class WorkerMover:
                     block = reads[first + j]
                     if block is None:
                         break
-                    if not self._verified(namespace, block, looked_up):
+                    if not self._verified(namespace, block, looked_up, reads.verified):
                         unverified.setdefault(namespace, []).append(key)
                         break
                     rows.append(held + reads.rows[first + j])
@@ -228,10 +240,10 @@ class WorkerMover:
                 verified += len(rows)
                 end = min(load.rows.stop, load.tier_position + len(rows) * t)
                 if end > load.rows.start:
-                    dst.extend(load.rows.cache_rows(e)[: end - load.rows.start])
-                    for p in range(load.rows.start, end):
-                        b, r = divmod(p - load.tier_position, t)
-                        src.append(rows[b] * t + r)
+                    skip = load.rows.start - load.tier_position
+                    used = rows[: -(-(end - load.tier_position) // t)]
+                    to = dataclasses.replace(load.rows, stop=end)
+                    outcome.runs.append(_Run(torch.tensor(used, dtype=torch.long), skip, to))
                 if end < load.rows.stop:
                     # This tier block and every later one of the request: vLLM recomputes
                     # from the first failed engine block, so later ones would be overwritten.
@@ -239,13 +251,11 @@ class WorkerMover:
                     outcome.failed_requests.add(load.req_id)
             held += len(reads.payloads)
         self.counters.add(loaded_blocks=verified)
-        if src:
+        if outcome.runs:
             rows_all = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             with warnings.catch_warnings():  # read-only (shared) memory: only ever read here
                 warnings.simplefilter("ignore", UserWarning)
                 outcome.rows = torch.from_numpy(rows_all)
-            outcome.src = torch.tensor(src, dtype=torch.long)
-            outcome.dst = torch.tensor(dst, dtype=torch.long)
         for namespace, keys in unverified.items():
             try:  # the tier drops what rotted in it, so the next save stores it afresh
                 self.tier.report_unverified(namespace, keys)
@@ -253,12 +263,14 @@ class WorkerMover:
                 log.warning("reporting %d unverified blocks failed: %s", len(keys), exc)
         return outcome
 
-    def _verified(self, namespace: str, block: BlockRead, looked_up: BlockHash) -> bool:
+    def _verified(
+        self, namespace: str, block: BlockRead, looked_up: BlockHash, checked: bool
+    ) -> bool:
         row = block.payload
         if row.dtype != np.uint8 or row.size != self.layout.block_bytes:
             log.warning("tier block of %d bytes, expected %d", row.size, self.layout.block_bytes)
             return False
-        if payload_block_hash(self.layout, namespace, row) != block.block_hash:
+        if not checked and payload_block_hash(self.layout, namespace, row) != block.block_hash:
             log.warning("tier block failed verification against its sealed hash; recomputing")
             return False
         if block.block_hash != looked_up:
@@ -285,15 +297,29 @@ class WorkerMover:
         outcome = self._loaded()
         if outcome is None or outcome.rows is None or layer.index in self._copied:
             return
-        assert outcome.src is not None and outcome.dst is not None
         self._copied.add(layer.index)
         offset = layer.index * self.page_bytes
-        # The layer's pages of every block read, as [blocks, T, row] (a strided view, no copy),
-        # gathered at the loaded positions and scattered into the cache's rows.
+        t, e = self.tier_tokens, self.engine_tokens
+        # The layer's pages of every block read, as [blocks, T, row] (a strided view, no copy).
         pages = outcome.rows[:, offset : offset + self.page_bytes].view(layer.planes.dtype)
-        tokens = pages.reshape(len(outcome.rows), self.tier_tokens, -1)
-        src = tokens[outcome.src // self.tier_tokens, outcome.src % self.tier_tokens]
-        layer.planes.scatter(outcome.dst, src)
+        pages = pages.reshape(len(outcome.rows), t, -1)
+        for run in outcome.runs:
+            # One copy of the run's pages, then a view of its positions, in position order.
+            values = pages.index_select(0, run.blocks).reshape(len(run.blocks) * t, -1)
+            values = values[run.skip : run.skip + len(run.rows)]
+            # Whole engine blocks in one block-indexed copy; the partial ones at either end
+            # row by row.
+            rows = run.rows
+            lo = min(rows.stop, -(-rows.start // e) * e)
+            hi = max(lo, rows.stop // e * e)
+            if lo > rows.start:
+                layer.planes.scatter(_rows(rows, e, rows.start, lo), values[: lo - rows.start])
+            if hi > lo:
+                first = (lo - rows.first_position) // e
+                blocks = torch.tensor(rows.block_ids[first : first + (hi - lo) // e])
+                layer.planes.write_blocks(blocks, values[lo - rows.start : hi - rows.start])
+            if rows.stop > hi:
+                layer.planes.scatter(_rows(rows, e, hi, rows.stop), values[hi - rows.start :])
 
     def wait_layer(self, plan: StepPlan, name: str) -> None:
         """Make layer ``name``'s share of this step's verified blocks present in its cache."""

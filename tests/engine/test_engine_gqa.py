@@ -2,7 +2,7 @@
 heads) through the tier: the same checks as the MLA model's (``test_engine.py``).
 
 vLLM's CPU attention keeps each head's K and V of a block apart, packed for its instruction set
-(docs/full-attention-caches.md); the tier stores per token K then V of every head, in 16-token
+(docs/full-attention-caches.md); the tier stores per token K then V of every head, in 64-token
 blocks. The CPU engine runs full attention in blocks of 128 tokens by default (32 asked here
 too); prefix caching stays on. The tier is started from the model's own ``config.json``.
 """
@@ -20,10 +20,10 @@ from tests.engine._models import write_tiny_gqa
 from tests.engine.conftest import EngineRun, run, run_engine
 from tests.engine.test_engine import EVICT, PARTIAL, PROMPTS
 
-TIER = 16  # the full-attention tier block (vLLM's paged-attention default page)
+TIER = 64  # the full-attention tier block
 MAIN, SMALL = "tessera-gqa-main", "tessera-gqa-small"
 # Shares its first 640 tokens with "long" (whole engine blocks of 32 and 128), then 15 of its
-# own: no full 16-token tier block past 640, so vLLM's own hit and the tier's cover the same.
+# own: no full tier block past 640, so vLLM's own hit and the tier's cover the same.
 PARTIAL_GQA = PARTIAL[:655]
 
 
@@ -43,8 +43,8 @@ def model(work: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tiers(ray_cluster: None, model: Path) -> Iterator[None]:
-    # 96 blocks of 16 tokens: the eviction test's three prompts of 40 blocks do not fit.
-    for namespace, blocks in ((MAIN, 1024), (SMALL, 96)):
+    # 24 blocks: the eviction test's three prompts of 10 blocks do not fit.
+    for namespace, blocks in ((MAIN, 256), (SMALL, 24)):
         out = run(
             "tessera-ray", "start", "--hf-config", str(model), "--num-blocks", str(blocks),
             "--ray-namespace", namespace,

@@ -88,6 +88,23 @@ def test_planes_read_and_write_each_tokens_k_then_v(packing: str) -> None:
     assert not torch.equal(cache, before)
 
 
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
+def test_whole_block_writes_equal_row_writes(packing: str) -> None:
+    """``write_blocks`` (one block-indexed copy per plane) leaves the cache exactly as the
+    row-by-row scatter of the same tokens does, and touches no other block."""
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn(B, N, H, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(B, N, H, D, generator=gen).to(torch.bfloat16)
+    by_blocks, by_rows = PACKINGS[packing](k, v), PACKINGS[packing](k, v)
+    new = torch.randn(2 * N, 2 * H * D, generator=gen).to(torch.bfloat16)
+    blocks = torch.tensor([2, 0])
+    PLANE_BUILDERS[packing](by_blocks, D).write_blocks(blocks, new)
+    rows = torch.cat([torch.arange(2 * N, 3 * N), torch.arange(0, N)])
+    PLANE_BUILDERS[packing](by_rows, D).scatter(rows, new)
+    assert torch.equal(by_blocks, by_rows)
+    assert torch.equal(by_blocks[1], PACKINGS[packing](k, v)[1])
+
+
 def test_mla_planes_are_token_rows_and_refuse_another_shape() -> None:
     cache = torch.arange(4 * 16 * 576, dtype=torch.float32).view(4, 1, 16, 576)
     planes = mla_planes(cache, 16)
