@@ -42,7 +42,7 @@ lint: $(STAMP)
 
 # The peers bench_peers.py compares against (pip extra `bench`; redis-server and libibverbs1
 # with apt-get where root): whatever cannot be installed is a "not available" row, never a
-# failed run. UCX_MODULES: UCX with system libibverbs can crash at exit (REFERENCE.md).
+# failed run. UCX_MODULES: UCX with system libibverbs can crash at exit.
 .PHONY: bench-install
 bench-install: $(STAMP)
 	bash benchmarks/install_peers.sh $(BIN)/python

@@ -155,7 +155,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(name="tessera_directory_replicas", kind=_G, tag_keys=_SHARD,
                description="Replicas a directory shard lists"),
 )  # fmt: skip
-"""The one table of metrics (STYLE.md rule 13)."""
+"""The one table of metrics: each name, kind, help text and label set is defined here once."""
 
 SPECS: dict[str, MetricSpec] = {s.name: s for s in METRICS}
 

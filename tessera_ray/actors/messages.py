@@ -1,7 +1,7 @@
 """Small frozen results that cross process boundaries between client, pools and directory.
 
-Cheap to pickle, never live internal objects (STYLE.md rule 4). Every list-shaped request is
-answered by a list aligned with it.
+Cheap to pickle, never live internal objects. Every list-shaped request is answered by a list
+aligned with it.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class PoolActor:
         tenant_secret: bytes | None = None,
     ) -> None:
         # UCX reads this when the NIXL agent starts: with system libibverbs present a process
-        # holding a UCX backend can crash at exit otherwise (REFERENCE.md).
+        # holding a UCX backend can crash at exit otherwise.
         os.environ.setdefault("UCX_MODULES", "^ib")
         node = ray.get_runtime_context().get_node_id()
         self.ray_namespace = ray_namespace

@@ -2,8 +2,8 @@
 
 Everything here is immutable and cheap to pickle (frozen dataclasses, and ``NamedTuple`` for
 the two values made once per page on hot paths): actors return these, never the pool's live
-records (STYLE.md rule 4). Ids are ``NewType``s over ``int`` / ``bytes`` so mypy keeps a page
-index, a content hash and a token key apart at no runtime cost.
+records. Ids are ``NewType``s over ``int`` / ``bytes`` so mypy keeps a page index, a content
+hash and a token key apart at no runtime cost.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ __all__ = [
 Backend = Literal["flashmla", "flashinfer", "reference"]
 BACKENDS: tuple[Backend, ...] = ("flashmla", "flashinfer", "reference")
 
-_FLASHMLA_PAGE_TOKENS = 64  # FlashMLA's only page size (REFERENCE.md)
+_FLASHMLA_PAGE_TOKENS = 64  # FlashMLA's only page size
 _FLASHMLA_HEAD_DIM = 576
 _FLASHMLA_MIN_CAPABILITY = (9, 0)
 _FLASHINFER_MIN_CAPABILITY = (8, 0)

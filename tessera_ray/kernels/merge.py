@@ -1,6 +1,6 @@
 """Exact merge of partial attention computed over disjoint key sets (pages in several pools).
 
-Attention over keys ``A + B`` is a softmax-weighted mix of the two partials (REFERENCE.md)::
+Attention over keys ``A + B`` is a softmax-weighted mix of the two partials (docs/mla-math.md)::
 
     lse = logaddexp(lse_a, lse_b)
     out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b

@@ -1,6 +1,6 @@
 """MLA decode over paged latents in plain PyTorch: the reference every kernel is tested against.
 
-Absorbed MLA decode (REFERENCE.md, "MLA math"): each stored token is one 576-value key
+Absorbed MLA decode (docs/mla-math.md): each stored token is one 576-value key
 ``[c_kv (512) | k_rope (64)]``; its first ``head_dim_v`` values are also the value. For query
 head ``i`` at query row ``j``::
 

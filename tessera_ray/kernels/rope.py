@@ -2,7 +2,7 @@
 
 RoPE rotates each pair of values by ``position * inv_freq[k]``; rotations compose, so a
 ``k_rope`` stored for position ``p`` becomes the key for ``p + delta`` by one more rotation by
-``delta`` (REFERENCE.md). :func:`rope_shift` is that building block: it lets a page computed at
+``delta`` (docs/mla-math.md). :func:`rope_shift` is that building block: it lets a page computed at
 one offset serve another offset *for the RoPE half only*. It does not make c_kv position-free
 (c_kv after layer 0 depends on the preceding context), so it is not a reuse mode by itself.
 

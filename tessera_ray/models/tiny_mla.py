@@ -1,7 +1,7 @@
 """A small MLA transformer with seeded random weights: the real producer of KV for tests, the
 demo and the benchmarks.
 
-It computes attention the way DeepSeek-V2/V3 do (REFERENCE.md, "MLA math"): per layer and token
+It computes attention the way DeepSeek-V2/V3 do (docs/mla-math.md): per layer and token
 it stores ``c_kv = RMSNorm(W_DKV h)`` (``kv_lora_rank`` values) and ``k_rope = RoPE(W_KR h, pos)``
 (``qk_rope_head_dim`` values) and nothing else. Prefill runs the dense, non-absorbed form (keys
 and values expanded per head through ``W_UK`` / ``W_UV``); decode runs the absorbed form over

@@ -88,7 +88,6 @@ class LayerPlanes:
                 p[blocks, token // p.shape[2], token % p.shape[2]] = part
             at += width
 
-
     def write_blocks(self, blocks: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``values`` (``[len(blocks) x block_tokens, row_values]``, in token order) into
         the whole cache blocks ``blocks``: one block-indexed copy per plane."""

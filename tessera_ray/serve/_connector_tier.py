@@ -7,7 +7,7 @@
   a ``uni`` executor's worker live in one process, so their connectors share one instance
   (:func:`shared_local_tier`).
 
-Every call takes and returns lists (one round trip per request batch, STYLE.md rule 6). Both
+Every call takes and returns lists (one round trip per request batch). Both
 backends run their coroutines on one private event-loop thread per process, because vLLM calls
 the connector from plain threads that may or may not already run a loop of their own; the one
 thread also serialises every use of a shared :class:`LocalTier`.

@@ -1,6 +1,6 @@
 """The one small interface every storage tier implements (host memory, disk, later remote).
 
-Batch forms are the primitives (STYLE.md item 6: one call per request, never one per page);
+Batch forms are the primitives (one call per request, never one per page);
 single-page methods are conveniences over them. Keys are 16-byte content hashes (see
 :mod:`tessera_ray.storage.keys`); payloads are any flat bytes-like object.
 """

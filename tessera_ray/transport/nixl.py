@@ -77,7 +77,7 @@ _Item = tuple[_Job, TransferTicket, list[int], list[int], list[int]]
 def import_nixl() -> tuple[Any, Any]:
     """``(nixl_agent, nixl_agent_config)``, or :class:`TransportUnavailableError`."""
     # With system libibverbs present, UCX's IB module can crash the process at exit; excluding
-    # it must happen before UCX loads (REFERENCE.md). setdefault keeps an operator's choice.
+    # it must happen before UCX loads. setdefault keeps an operator's choice.
     os.environ.setdefault("UCX_MODULES", "^ib")
     try:
         from nixl._api import nixl_agent, nixl_agent_config
