@@ -132,7 +132,11 @@ class PoolActor:
 
     async def _serve_channel(self) -> None:
         server = ChannelServer(
-            {"pin": self._channel_pin, "unpin": self._unpin_quietly},
+            {
+                "pin": self._channel_pin,
+                "unpin": self._unpin_quietly,
+                "lookup": self.svc.resident_hashes,
+            },
             host=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
         )
         try:

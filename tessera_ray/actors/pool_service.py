@@ -389,6 +389,18 @@ class PoolService(TransferMixin):
                 out.append(None)
         return out
 
+    def resident_hashes(
+        self, access: Access, token_keys: Sequence[TokenKey]
+    ) -> list[BlockHash | None]:
+        """The block hash of each block this pool holds in memory, ``None`` for the others:
+        the node's own answer to a lookup, without asking the directory."""
+        namespace = self.gate.resolve(access, write=False)
+        self._check_keys(namespace, token_keys)
+        return [
+            self._resident.get((namespace, key)) if self.pools[0].contains(namespace, key) else None
+            for key in token_keys
+        ]
+
     def pin_resident(
         self, access: Access, token_keys: Sequence[TokenKey], lease_s: float | None = None
     ) -> PinTicket | None:

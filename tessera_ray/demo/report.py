@@ -11,7 +11,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RequestRecord", "TierTotals", "DemoReport", "render_summary", "plot_report"]
+__all__ = [
+    "RequestRecord",
+    "TierTotals",
+    "DemoReport",
+    "FAMILIES_LINE",
+    "render_summary",
+    "plot_report",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +143,14 @@ def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
+FAMILIES_LINE = (
+    "model families run through vLLM with the tier: MLA (DeepSeek-V2/V3, Kimi-K2 geometry) and "
+    "full attention (Llama, Mistral, Qwen2, Qwen3; `tessera-ray start --hf-config`); this demo "
+    "runs the MLA model without vLLM"
+)
+"""What the summary says about model families (as the README does)."""
+
+
 def render_summary(report: DemoReport) -> str:
     t = report.totals()
     c = report.config
@@ -168,6 +183,8 @@ def render_summary(report: DemoReport) -> str:
              f"({report.block_bytes:,} B per {report.block_tokens}-token block)"]  # fmt: skip
     lines.append("-" * (width + 40))
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append("-" * (width + 40))
+    lines.append(FAMILIES_LINE)
     return "\n".join(lines)
 
 

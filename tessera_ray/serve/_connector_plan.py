@@ -45,6 +45,7 @@ from tessera_ray.core import token_key
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError
 from tessera_ray.layout import ModelLayout
+from tessera_ray.serve._connector_stats import ConnectorCounters
 
 __all__ = [
     "BlockLoad",
@@ -289,6 +290,7 @@ class SchedulerPlanner:
         lookup_timeout_s: float = 30.0,
         store_wait_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        counters: ConnectorCounters | None = None,
     ) -> None:
         check_block_sizes(layout.block_tokens, block_tokens)
         self.tier = tier
@@ -303,6 +305,7 @@ class SchedulerPlanner:
         self.lookup_timeout_s = lookup_timeout_s
         self.store_wait_s = store_wait_s
         self._clock = clock
+        self.counters = counters if counters is not None else ConnectorCounters()
         self._save_seq = 0
         self._storing: dict[TokenKey, int] = {}
         """Keys whose store is still running, to the step's ``save_seq`` that handed them over."""
@@ -375,6 +378,7 @@ class SchedulerPlanner:
         keys = self._keys(tracked, limit)[first:limit]
         pending = tracked.lookup
         if pending is None and self._clock() < tracked.relook_s:
+            self.counters.add(store_waits=1)
             return None
         if pending is None or pending.first != first or pending.keys != keys:
             try:
@@ -387,6 +391,7 @@ class SchedulerPlanner:
             found = pending.future.result(timeout=self.lookup_wait_s)
         except TimeoutError:
             if self._clock() - pending.started_s < self.lookup_timeout_s:
+                self.counters.add(lookup_waits=1)
                 return None
             pending.future.cancel()
             tracked.lookup = None
@@ -404,6 +409,7 @@ class SchedulerPlanner:
             hashes.append(h)
         if self._still_storing(keys, len(hashes)):
             tracked.relook_s = self._clock() + _RELOOK_S
+            self.counters.add(store_waits=1)
             return None
         if not hashes:
             return 0

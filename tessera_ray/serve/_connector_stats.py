@@ -31,6 +31,11 @@ class _Counts:
     forward_s: float = 0.0
     """Time in the worker-side hooks, all on the forward path (waits for loads, copies of
     loaded and saved rows)."""
+    lookup_waits: int = 0
+    """Scheduler answers of "ask again next step" while a tier lookup was on its way."""
+    store_waits: int = 0
+    """Scheduler answers of "ask again next step" while blocks this engine stores were on
+    their way."""
     loaded_blocks: int = 0
     """Tier blocks read and verified for loading."""
     failed_blocks: int = 0
@@ -130,6 +135,8 @@ def reduce_counts(data: Mapping[str, float]) -> dict[str, int | float]:
         "scheduler_us_per_step": per(
             data.get("scheduler_s", 0.0), data.get("scheduler_steps", 0), 1e6
         ),
+        "lookup_waits": int(data.get("lookup_waits", 0)),
+        "store_waits": int(data.get("store_waits", 0)),
         "loaded_blocks": int(data.get("loaded_blocks", 0)),
         "failed_blocks": int(data.get("failed_blocks", 0)),
         "saved_blocks": int(saved),

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tessera_ray.actors.channel import ChannelClient, ChannelError
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.links import LocalDirectory
 from tessera_ray.actors.messages import BlockCheck, BlockReads, PinTicket
@@ -56,6 +57,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_CHANNEL_RETRY_S = 10.0  # between attempts to reach a pool's channel that did not answer
 
 
 class _LoopThread:
@@ -223,6 +225,10 @@ class RayTier(TierBackend):
         self._staging_bytes = config.nixl_staging_bytes
         self._reader: PoolReader | None = None
         self._reader_tried = False
+        self._channel: ChannelClient | None = None
+        """The pool's channel: a lookup of what it holds, a pin and an unpin without a Ray
+        call (a Ray actor call costs several times its round trip)."""
+        self._channel_retry_s = 0.0
 
     def prepare_reads(self) -> None:
         """Open the NIXL path to this node's pool (worker side, once): staging memory
@@ -252,11 +258,36 @@ class RayTier(TierBackend):
                 self.pool,
                 exc,
             )
+            return
+        self._run(self._open_channel())
+
+    async def _open_channel(self) -> ChannelClient | None:
+        """The pool's channel, connecting when there is none (at most every
+        ``_CHANNEL_RETRY_S``); ``None`` when the pool serves none or cannot be reached: lookups,
+        pins and unpins then go through Ray."""
+        channel = self._channel
+        if channel is not None and not channel.closed:
+            return channel
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._channel_retry_s:
+            return None
+        self._channel_retry_s = loop.time() + _CHANNEL_RETRY_S
+        self._channel = None
+        try:
+            address = await asyncio.wait_for(self._pool_actor.channel.remote(), self.timeout_s)
+            if address is not None:
+                self._channel = await ChannelClient.connect(address, self.timeout_s)
+        except Exception as exc:
+            log.info("no channel to pool %s (%s); asking through Ray", self.pool, exc)
+        return self._channel
 
     def release_reads(self) -> None:
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            submit_on_loop(_close_channel(channel))
 
     def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         return run_on_loop(coro, self.timeout_s)
@@ -271,8 +302,30 @@ class RayTier(TierBackend):
         return cred
 
     async def _lookup(self, namespace: str, keys: list[TokenKey]) -> list[BlockHash | None]:
-        results = await self.client.alookup(self._access(namespace), keys)
-        return [r.block_hash if r is not None else None for r in results]
+        # This node's pool first, over its channel: it usually holds the whole run (it is
+        # where this engine's reads land), and then the directory is not asked at all.
+        access = self._access(namespace)
+        local = await self._lookup_local(access, keys)
+        held = 0
+        while held < len(local) and local[held] is not None:
+            held += 1
+        if held == len(keys):
+            return local
+        results = await self.client.alookup(access, keys[held:])
+        return [*local[:held], *(r.block_hash if r is not None else None for r in results)]
+
+    async def _lookup_local(self, access: Access, keys: list[TokenKey]) -> list[BlockHash | None]:
+        channel = await self._open_channel()
+        if channel is None:
+            return []
+        try:
+            hashes: list[BlockHash | None] = await channel.call(
+                "lookup", access, keys, timeout_s=self.timeout_s
+            )
+            return hashes
+        except Exception as exc:  # the directory still answers
+            log.info("lookup over the channel to pool %s failed: %s", self.pool, exc)
+            return []
 
     def lookup_async(
         self, namespace: str, keys: Sequence[TokenKey]
@@ -290,13 +343,35 @@ class RayTier(TierBackend):
         """Pin ``keys`` in this node's pool, pulling in first what only other pools hold (one
         call when this pool holds them all, the common case for a node's own prefixes)."""
         access = self._access(namespace)
-        ticket: PinTicket = await self._pool_actor.pin.remote(access, keys)
+        ticket = await self._pin_local(access, keys)
         if all(b is not None for b in ticket.blocks):
             return ticket
-        self._pool_actor.unpin.remote(ticket.id)
+        await self._unpin(ticket.id)
         await self.client.afetch(access, keys, into=self.pool)
-        ticket = await self._pool_actor.pin.remote(access, keys)
-        return ticket
+        return await self._pin_local(access, keys)
+
+    async def _pin_local(self, access: Access, keys: list[TokenKey]) -> PinTicket:
+        channel = await self._open_channel()
+        if channel is not None:
+            try:
+                pinned: PinTicket = await channel.call(
+                    "pin", access, keys, timeout_s=self.timeout_s
+                )
+                return pinned
+            except (ChannelError, TimeoutError) as exc:  # the Ray call decides
+                log.info("pin over the channel to pool %s failed (%s); using Ray", self.pool, exc)
+        result: PinTicket = await self._pool_actor.pin.remote(access, keys)
+        return result
+
+    async def _unpin(self, pin_id: int) -> None:
+        channel = self._channel
+        if channel is not None and not channel.closed:
+            try:
+                channel.send("unpin", pin_id)
+                return
+            except ChannelError:
+                pass
+        self._pool_actor.unpin.remote(pin_id)
 
     def read(self, namespace: str, keys: Sequence[TokenKey]) -> BlockReads:
         reader = self._reader
@@ -312,7 +387,7 @@ class RayTier(TierBackend):
             log.warning("NIXL read from pool %s failed (%s); reading through Ray", self.pool, exc)
             reader.incarnation = None
         finally:
-            self._pool_actor.unpin.remote(ticket.id)
+            submit_on_loop(self._unpin(ticket.id))
         return self._run(self._read(namespace, list(keys)))
 
     def _refresh_peer(self, reader: PoolReader, incarnation: int) -> None:
@@ -324,6 +399,9 @@ class RayTier(TierBackend):
             reader.transport.remove_peers([reader.peer])
         reader.transport.add_peers([peer])
         reader.peer, reader.incarnation = peer.name, incarnation
+        if self._channel is not None:
+            submit_on_loop(_close_channel(self._channel))
+        self._channel, self._channel_retry_s = None, 0.0  # a new pool process, a new channel
 
     def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
         # Reads are served by this pool (fetched into it first), so its copies are the suspects.
@@ -333,6 +411,10 @@ class RayTier(TierBackend):
 
     def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
         self._run(self.client.astore(self._access(namespace), list(keys), payloads, pool=self.pool))
+
+
+async def _close_channel(channel: ChannelClient) -> None:
+    channel.close()  # on the loop that owns its transport
 
 
 def _read_secret(path: str | None) -> bytes | None:

@@ -287,6 +287,7 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 lookup_wait_s=self.config.lookup_wait_s,
                 lookup_timeout_s=self.config.timeout_s,
                 store_wait_s=self.config.store_wait_s,
+                counters=self.counters,
             )
         else:
             # MLA caches are replicated across tensor-parallel ranks: every rank loads, one

@@ -154,6 +154,24 @@ def test_a_resident_pin_needs_no_await_and_a_spilled_block_takes_the_full_pin(
         pool.pin_resident(NS, [b"short"])
 
 
+def test_resident_hashes_answer_a_lookup_for_blocks_in_memory_only(tmp_path: Path) -> None:
+    """The node-local lookup: the block hash each block was sealed under while it is in this
+    pool's memory (as the directory would report it), nothing for a block spilled to disk or
+    never stored, and nothing across namespaces."""
+    directory = LocalDirectory(1)
+    pool = make(num_blocks=4, directory=directory, disk=tmp_path)
+    ks, data = keys(3), payloads(3, 4, pool.block_bytes)
+    stored = run(pool.store(NS, ks[:2], data[:2]))
+    sealed = [b.block_hash for b in stored]
+    assert pool.resident_hashes(NS, ks) == [*sealed, None]
+    assert [r.block_hash for r in run(directory.lookup(NS, ks[:2]))] == sealed  # type: ignore[union-attr]
+    assert pool.resident_hashes("tenant-b", ks[:2]) == [None, None]
+    run(pool.evict(1))  # the oldest block goes to disk: the directory, not the pool, finds it
+    assert pool.resident_hashes(NS, ks[:2]) == [None, sealed[1]]
+    with pytest.raises(PageShapeError, match="token key is 32 bytes"):
+        pool.resident_hashes(NS, [b"short"])
+
+
 def test_install_verifies_every_page_against_the_owner() -> None:
     owner, reader = make("owner"), make("reader")
     ks = keys(2)

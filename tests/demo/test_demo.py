@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tessera_ray.demo import DemoConfig, plot_report, render_summary, run_demo
+from tessera_ray.demo.report import FAMILIES_LINE
 from tessera_ray.demo.workload import Fleet
 from tests.conftest import SimCluster
 
@@ -50,6 +51,8 @@ def test_short_demo_report_invariants(tessera_cluster: SimCluster, tmp_path: Pat
         assert r.tokens_served + r.tokens_computed == r.tokens_requested
     summary = render_summary(report)
     assert "tokens served from the tier" in summary and "decode parity" in summary
+    # It says which model families the tier serves through vLLM, as the README does.
+    assert summary.endswith(FAMILIES_LINE) and "Qwen2" in FAMILIES_LINE
     out = tmp_path / "r.json"
     report.write_json(out)
     doc = json.loads(out.read_text())
