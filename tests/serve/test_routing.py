@@ -1,0 +1,101 @@
+"""The tier-aware routing rule on its own: the replica whose pool holds the longest leading run
+of a request's blocks wins, within a queue-length bound; power-of-two when the tier is silent."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from tessera_ray.actors.directory import LookupResult, Replica, Tier
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.serve.routing import (
+    ReplicaState,
+    RouteReason,
+    choose_replica,
+    leading_blocks_by_pool,
+)
+
+
+def _result(i: int, *where: tuple[str, Tier]) -> LookupResult:
+    replicas = tuple(Replica(pool, tier, i, 1) for pool, tier in where)
+    return LookupResult(TokenKey(bytes([i]) * 32), BlockHash(i), replicas)
+
+
+M, D = Tier.MEMORY, Tier.DISK
+
+
+def test_a_pools_run_ends_at_the_first_block_it_lacks_and_disk_copies_do_not_count() -> None:
+    answer = [
+        _result(0, ("a", M), ("b", M)),
+        _result(1, ("a", M), ("b", D)),
+        _result(2, ("a", M), ("b", M)),  # b has it again, but after a gap: useless to b
+        None,
+        _result(4, ("a", M)),
+    ]
+    assert leading_blocks_by_pool(answer) == {"a": 3, "b": 1}
+    assert leading_blocks_by_pool([None, _result(1, ("a", M))]) == {}
+    assert leading_blocks_by_pool([]) == {}
+
+
+def _replicas(*queues: int) -> list[ReplicaState]:
+    return [ReplicaState(f"r{i}", f"p{i}", q) for i, q in enumerate(queues)]
+
+
+def test_the_replica_whose_pool_holds_the_longest_run_wins() -> None:
+    choice = choose_replica(
+        _replicas(0, 1, 0), {"p1": 5, "p2": 2}, max_queue_gap=2, rng=random.Random(0)
+    )
+    assert (choice.replica_id, choice.local_blocks, choice.reason) == ("r1", 5, RouteReason.TIER)
+
+
+def test_a_hot_prefix_spreads_once_its_holders_queue_passes_the_bound() -> None:
+    """r0 holds the prefix; its queue grows with every request routed to it, until it is more
+    than the bound deeper than the others: then requests go to the shortest queue."""
+    queues = [0, 0, 0]
+    picks = []
+    for _ in range(12):
+        replicas = [ReplicaState(f"r{i}", f"p{i}", q) for i, q in enumerate(queues)]
+        choice = choose_replica(replicas, {"p0": 8}, max_queue_gap=3, rng=random.Random(1))
+        picks.append(choice.replica_id)
+        queues[int(choice.replica_id[1:])] += 1
+    assert picks[:4] == ["r0"] * 4  # within the bound the holder takes it
+    assert {"r1", "r2"} <= set(picks[4:])
+    assert max(queues) - min(queues) <= 4
+
+
+def test_without_local_blocks_the_shortest_queue_wins_and_ties_are_random() -> None:
+    choice = choose_replica(_replicas(3, 1, 2), {}, max_queue_gap=5, rng=random.Random(0))
+    assert (choice.replica_id, choice.reason) == ("r1", RouteReason.BALANCED)
+    seen = Counter(
+        choose_replica(_replicas(0, 0), {}, max_queue_gap=0, rng=random.Random(s)).replica_id
+        for s in range(40)
+    )
+    assert set(seen) == {"r0", "r1"}
+
+
+def test_a_replica_on_a_node_without_a_pool_holds_nothing() -> None:
+    replicas = [ReplicaState("r0", None, 0), ReplicaState("r1", "p1", 0)]
+    choice = choose_replica(replicas, {"p1": 1}, max_queue_gap=0, rng=random.Random(0))
+    assert choice.replica_id == "r1"
+
+
+def test_a_silent_tier_falls_back_to_power_of_two_choices() -> None:
+    """Two random replicas, the shorter queue: the longest queue never wins, and every other
+    replica does sometimes."""
+    replicas = _replicas(9, 1, 2, 3)
+    picks = Counter(
+        choose_replica(replicas, None, max_queue_gap=0, rng=random.Random(s)).replica_id
+        for s in range(200)
+    )
+    assert "r0" not in picks and set(picks) == {"r1", "r2", "r3"}
+    one = choose_replica(replicas[:1], None, max_queue_gap=0, rng=random.Random(0))
+    assert (one.replica_id, one.local_blocks, one.reason) == ("r0", 0, RouteReason.FALLBACK)
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="no replica"):
+        choose_replica([], {}, max_queue_gap=0, rng=random.Random(0))
+    with pytest.raises(ValueError, match="max_queue_gap must be >= 0"):
+        choose_replica(_replicas(0), {}, max_queue_gap=-1, rng=random.Random(0))
