@@ -2,9 +2,10 @@
 
 Order of preference with ``backend="auto"``:
 
-1. ``flashmla``: FlashMLA importable, a GPU of compute capability 9.0 or newer (Hopper,
-   Blackwell), bf16 ``q`` and pages, pages of 64 tokens, key width 576 with value width 512,
-   and every used block-table entry held (no negative ids).
+1. ``flashmla``: FlashMLA importable, a GPU of compute capability 9.x (Hopper: FlashMLA's dense
+   decode is built for SM90 only, so Blackwell takes FlashInfer), bf16 ``q`` and pages, pages
+   of 64 tokens, key width 576 with value width 512, and every used block-table entry held (no
+   negative ids).
 2. ``flashinfer``: FlashInfer's MLA paged wrapper importable, a GPU of capability 8.0 or newer,
    bf16 / fp16 ``q`` and pages of one dtype, rope width 64, value width 512, all pages held.
 3. ``reference``: everything else (CPU, fp32, partial page sets, small test geometries).
@@ -34,6 +35,7 @@ __all__ = [
     "mla_decode",
     "select_backend",
     "available_backends",
+    "capability_problem",
 ]
 
 Backend = Literal["flashmla", "flashinfer", "reference"]
@@ -41,9 +43,37 @@ BACKENDS: tuple[Backend, ...] = ("flashmla", "flashinfer", "reference")
 
 _FLASHMLA_PAGE_TOKENS = 64  # FlashMLA's only page size
 _FLASHMLA_HEAD_DIM = 576
-_FLASHMLA_MIN_CAPABILITY = (9, 0)
-_FLASHINFER_MIN_CAPABILITY = (8, 0)
 _FLASHINFER_ROPE_DIM = 64
+
+Capability = tuple[int, int]
+
+_GPU_NEEDS: dict[Backend, tuple[Callable[[Capability], bool], str]] = {
+    # FlashMLA's dense decode kernels are compiled for SM90a only; on any other GPU its
+    # import succeeds and the call fails, so the capability alone must rule it out.
+    "flashmla": (lambda cap: cap[0] == 9, "FlashMLA's dense decode runs on SM90 (Hopper) only"),
+    "flashinfer": (lambda cap: cap >= (8, 0), "FlashInfer's MLA kernels need SM80 or newer"),
+}
+"""Per GPU backend: whether a device of a compute capability can run it, and why not."""
+
+
+def _device_capability(device: torch.device | None = None) -> Capability | None:
+    """The CUDA compute capability of ``device`` (default: the current one); ``None`` without
+    CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major, minor
+
+
+def capability_problem(backend: Backend, capability: Capability | None) -> str | None:
+    """Why ``backend`` cannot run on a device of ``capability`` (``None``: no CUDA device), or
+    ``None`` when it can."""
+    if backend == "reference":
+        return None
+    if capability is None:
+        return "no CUDA device"
+    can_run, why = _GPU_NEEDS[backend]
+    return None if can_run(capability) else f"{why}; this GPU is SM{capability[0]}{capability[1]}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +98,9 @@ def _why_not_flashmla(
 ) -> str | None:
     if not q.is_cuda:
         return "inputs are not on a CUDA device"
-    if torch.cuda.get_device_capability(q.device) < _FLASHMLA_MIN_CAPABILITY:
-        return "FlashMLA needs compute capability 9.0 or newer (H100/H200/B200)"
+    problem = capability_problem("flashmla", _device_capability(q.device))
+    if problem is not None:
+        return problem
     if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
         return f"FlashMLA here runs bf16 q and pages, got {q.dtype} and {k_cache.dtype}"
     if shape.page_tokens != _FLASHMLA_PAGE_TOKENS:
@@ -90,8 +121,9 @@ def _why_not_flashinfer(
 ) -> str | None:
     if not q.is_cuda:
         return "inputs are not on a CUDA device"
-    if torch.cuda.get_device_capability(q.device) < _FLASHINFER_MIN_CAPABILITY:
-        return "FlashInfer's MLA kernels need compute capability 8.0 or newer"
+    problem = capability_problem("flashinfer", _device_capability(q.device))
+    if problem is not None:
+        return problem
     if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
         return (
             f"FlashInfer MLA runs bf16/fp16 q and pages of one dtype, got {q.dtype}/{k_cache.dtype}"
@@ -154,11 +186,13 @@ def select_backend(
 
 
 def available_backends() -> dict[Backend, bool]:
-    """Which backends could run at all on this machine (importable, and a capable GPU)."""
-    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    """Which backends could run at all on this machine (importable, and a GPU they run on)."""
+    cap = _device_capability()
     return {
-        "flashmla": cap >= _FLASHMLA_MIN_CAPABILITY and _gpu_backends.flashmla_importable(),
-        "flashinfer": cap >= _FLASHINFER_MIN_CAPABILITY and _gpu_backends.flashinfer_importable(),
+        "flashmla": capability_problem("flashmla", cap) is None
+        and _gpu_backends.flashmla_importable(),
+        "flashinfer": capability_problem("flashinfer", cap) is None
+        and _gpu_backends.flashinfer_importable(),
         "reference": True,
     }
 

@@ -150,3 +150,39 @@ def test_adapter_refuses_named_backend_that_cannot_run_and_unknown_names() -> No
         mla_decode(q, case.k_cache, case.block_table, case.seqlens, 0.1, True, backend="triton")  # type: ignore[arg-type]
     with pytest.raises(KernelError, match="int32"):
         mla_decode(q, case.k_cache, case.block_table.long(), case.seqlens, 0.1, True)
+
+
+@pytest.mark.parametrize(
+    ("capability", "flashmla", "flashinfer"),
+    [
+        (None, False, False),  # no CUDA: the reference only
+        ((8, 0), False, True),  # A100
+        ((8, 9), False, True),  # L40S
+        ((9, 0), True, True),  # H100 / H200
+        ((10, 0), False, True),  # B200: FlashMLA imports there, but its dense decode fails
+        ((12, 0), False, True),
+    ],
+)
+def test_available_backends_follow_the_capability_table(
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int] | None,
+    flashmla: bool,
+    flashinfer: bool,
+) -> None:
+    """With both kernels importable, what each GPU generation may run (faked on CPU); the
+    reason names the requirement and the GPU."""
+    from tessera_ray.kernels import _gpu_backends, adapter
+
+    monkeypatch.setattr(adapter, "_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(_gpu_backends, "flashmla_importable", lambda: True)
+    monkeypatch.setattr(_gpu_backends, "flashinfer_importable", lambda: True)
+    assert available_backends() == {
+        "flashmla": flashmla,
+        "flashinfer": flashinfer,
+        "reference": True,
+    }
+    why = adapter.capability_problem("flashmla", capability)
+    assert (why is None) == flashmla
+    if capability is not None and not flashmla:
+        assert why is not None and "SM90" in why and f"SM{capability[0]}{capability[1]}" in why
+    assert adapter.capability_problem("reference", capability) is None
