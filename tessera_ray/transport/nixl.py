@@ -18,6 +18,7 @@ completes, while they are still in its core's cache.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import sys
@@ -48,7 +49,7 @@ from tessera_ray.transport.base import (
 )
 from tessera_ray.transport.config import TransportConfig
 
-__all__ = ["NixlTransport", "import_nixl"]
+__all__ = ["NixlTransport", "import_nixl", "nixl_version", "PROGRESS_DELAY_RELEASES"]
 
 log = logging.getLogger(__name__)
 
@@ -89,17 +90,43 @@ def import_nixl() -> tuple[Any, Any]:
 _AGENT_LOCK = threading.Lock()
 
 
+PROGRESS_DELAY_RELEASES: tuple[str, ...] = ("1.5.",)
+"""NIXL releases whose Python wrapper :func:`_new_agent`'s patch was written against (the
+wrapper calls ``nixlBind.nixlAgent(name, config)`` with a config it built itself). On any other
+release the agent is built unpatched, its progress thread spinning, and a warning says so."""
+
+
+def nixl_version() -> str | None:
+    """The installed NIXL release (its wheels are named per CUDA major), or ``None``."""
+    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def _new_agent(nixl_agent: Any, name: str, conf: Any, progress_delay_us: int) -> Any:
     """A NIXL agent whose progress thread pauses ``progress_delay_us`` between polls.
 
     NIXL's Python wrapper builds the native agent config itself and sets the progress-thread
     delay to 0 (a spinning thread, one core per agent). The native config has the field, so
     the wrapper's handle on the bindings is swapped, only while the agent is built, for one
-    that sets the delay first; everything else passes through untouched.
+    that sets the delay first; everything else passes through untouched. Only on the releases
+    it was written for: a wrapper refactored upstream could drop the delay silently.
     """
     api: Any = sys.modules[nixl_agent.__module__]
     real: Any = getattr(api, "nixlBind", None)
     if real is None or progress_delay_us == 0:
+        return nixl_agent(name, conf)
+    version = nixl_version()
+    if version is None or not version.startswith(PROGRESS_DELAY_RELEASES):
+        log.warning(
+            "NIXL %s is not a release the progress-thread delay was written for (%s); its "
+            "progress thread spins a core per agent",
+            version,
+            ", ".join(f"{r}x" for r in PROGRESS_DELAY_RELEASES),
+        )
         return nixl_agent(name, conf)
 
     class _Bindings:
