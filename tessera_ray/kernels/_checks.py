@@ -103,6 +103,14 @@ def check_decode_inputs(
         cache_seqlens.dtype == torch.int32,
         f"cache_seqlens must be int32, got {cache_seqlens.dtype}",
     )
+    # FlashMLA reads both through raw pointers: as its own input checks, a contiguous
+    # cache_seqlens and block-table rows of unit stride, or a kernel would read the wrong ids.
+    _need(cache_seqlens.is_contiguous(), "cache_seqlens must be contiguous (FlashMLA's contract)")
+    _need(
+        block_table.shape[1] <= 1 or block_table.stride(1) == 1,
+        f"block_table's last dimension must have stride 1 (FlashMLA's contract), got strides "
+        f"{tuple(block_table.stride())}",
+    )
     devices = {t.device for t in (q, k_cache, block_table, cache_seqlens)}
     _need(len(devices) == 1, f"all inputs must be on one device, got {sorted(map(str, devices))}")
     max_blocks = block_table.shape[1]

@@ -140,3 +140,20 @@ def test_bad_inputs_raise_kernel_error(mutate: object, needle: str) -> None:
             args["q"], args["k_cache"], args["block_table"], args["cache_seqlens"], 0.1, False
         )
     assert issubclass(KernelError, ValueError)
+
+
+def test_tables_a_raw_pointer_kernel_would_misread_are_refused() -> None:
+    """As FlashMLA's own checks: a non-contiguous cache_seqlens, or block-table rows whose
+    entries are not adjacent, are refused rather than read as if they were."""
+    case = paged_case([20, 40], page=16)
+    q = torch.randn(2, 1, 2, KV_LORA + ROPE)
+    gapped = torch.stack([case.seqlens, torch.zeros_like(case.seqlens)], dim=1)[:, 0]
+    assert not gapped.is_contiguous() and torch.equal(gapped, case.seqlens)
+    with pytest.raises(KernelError, match="cache_seqlens must be contiguous"):
+        mla_decode_reference(q, case.k_cache, case.block_table, gapped, 0.1, False)
+    column_major = case.block_table.t().contiguous().t()
+    assert torch.equal(column_major, case.block_table) and column_major.stride(1) != 1
+    with pytest.raises(KernelError, match="last dimension must have stride 1"):
+        mla_decode_reference(q, case.k_cache, column_major, case.seqlens, 0.1, False)
+    got = mla_decode_reference(q, case.k_cache, case.block_table, case.seqlens, 0.1, False)
+    assert got[0].shape[0] == 2
