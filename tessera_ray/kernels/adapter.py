@@ -186,7 +186,7 @@ def select_backend(
 
 
 def available_backends() -> dict[Backend, bool]:
-    """Which backends could run at all on this machine (importable, and a GPU they run on)."""
+    """Which backends could run at all in this process (importable, and a GPU they run on)."""
     cap = _device_capability()
     return {
         "flashmla": capability_problem("flashmla", cap) is None
