@@ -27,7 +27,7 @@ from tests.engine._harness import check_eviction_run, same
 from tests.engine._models import tier_geometry, write_tiny_mla
 from tests.engine.conftest import EngineRun, engine_block_sizes, run, run_engine
 
-TIER = 64  # tier block (FlashMLA's page)
+TIER = 64  # the tier block of MLA (FlashMLA's page) and of full attention
 MAIN, SMALL, ODD = "tessera-engine-main", "tessera-engine-small", "tessera-engine-odd"
 
 _rng = random.Random(20261203)

@@ -18,17 +18,12 @@ import pytest
 from tests.engine._harness import check_eviction_run, same
 from tests.engine._models import write_tiny_gqa
 from tests.engine.conftest import EngineRun, run, run_engine
-from tests.engine.test_engine import EVICT, PARTIAL, PROMPTS
+from tests.engine.test_engine import EVICT, PARTIAL, PROMPTS, TIER, _full
 
-TIER = 64  # the full-attention tier block
 MAIN, SMALL = "tessera-gqa-main", "tessera-gqa-small"
 # Shares its first 640 tokens with "long" (whole engine blocks of 32 and 128), then 15 of its
 # own: no full tier block past 640, so vLLM's own hit and the tier's cover the same.
 PARTIAL_GQA = PARTIAL[:655]
-
-
-def _full(prompt: list[int]) -> int:
-    return (len(prompt) - 1) // TIER * TIER
 
 
 @pytest.fixture(scope="module")
