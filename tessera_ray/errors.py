@@ -12,6 +12,7 @@ __all__ = [
     "TierConfigError",
     "LeaseError",
     "PoolUnavailableError",
+    "DirectoryUnavailableError",
     "TenantError",
     "DirectoryError",
     "TesseraError",
@@ -249,6 +250,10 @@ class LeaseError(TesseraError, KeyError):
 
 class PoolUnavailableError(TesseraError, ConnectionError):
     """A pool actor is dead or unreachable; its replicas are being purged."""
+
+
+class DirectoryUnavailableError(TesseraError, ConnectionError):
+    """A directory shard did not answer (dead, restarting, or slower than the caller's bound)."""
 
 
 class TenantError(TesseraError, PermissionError):

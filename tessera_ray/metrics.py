@@ -92,6 +92,9 @@ class MetricSpec:
 _POOL = ("ray_namespace", "pool", "node")
 _TIER = (*_POOL, "tier")
 _SHARD = ("ray_namespace", "shard")
+# Routers: per Serve deployment, and (requests) the reason of the choice (routing.RouteReason).
+_ROUTE = ("ray_namespace", "deployment", "reason")
+_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _C, _G, _H = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM
 # Transfers on one machine take ~0.1 ms (in-process) to seconds (cross-node, large batches).
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
@@ -154,6 +157,11 @@ METRICS: tuple[MetricSpec, ...] = (
                description="Token keys a directory shard maps"),
     MetricSpec(name="tessera_directory_replicas", kind=_G, tag_keys=_SHARD,
                description="Replicas a directory shard lists"),
+    MetricSpec(name="tessera_route_requests", kind=_C, tag_keys=_ROUTE,
+               description="Requests a tier-aware router routed, by why it chose the replica"),
+    MetricSpec(name="tessera_route_local_blocks", kind=_H, tag_keys=_ROUTE[:2],
+               buckets=_BLOCK_BUCKETS,
+               description="Leading tier blocks of a request held by the chosen replica's pool"),
 )  # fmt: skip
 """The one table of metrics: each name, kind, help text and label set is defined here once."""
 

@@ -44,7 +44,7 @@ from tessera_ray.actors.messages import (
 from tessera_ray.actors.pool_actor import PoolActor
 from tessera_ray.actors.tenancy import Access, Credential, TenantGate
 from tessera_ray.core.results import TokenKey
-from tessera_ray.errors import PoolUnavailableError
+from tessera_ray.errors import DirectoryUnavailableError, PoolUnavailableError
 from tessera_ray.layout import ModelLayout, preset_layout
 
 __all__ = [
@@ -284,9 +284,11 @@ class TesseraClient:
             raise
 
     async def alookup(
-        self, namespace: Access, token_keys: Sequence[TokenKey]
+        self, namespace: Access, token_keys: Sequence[TokenKey], *, strict: bool = False
     ) -> list[LookupResult | None]:
-        """One call per shard. A shard that is down (restarting) answers with misses."""
+        """One call per shard. A shard that is down (restarting) answers with misses, or
+        raises :class:`DirectoryUnavailableError` when ``strict`` (a caller that must tell "not
+        held" from "not known", such as a request router)."""
         out: list[LookupResult | None] = [None] * len(token_keys)
         groups = group_by_shard(token_keys, self.config.num_shards)
 
@@ -295,6 +297,8 @@ class TesseraClient:
             try:
                 answer = await asyncio.wait_for(ref, _CALL_TIMEOUT_S)
             except (*_DEAD, TimeoutError) as exc:
+                if strict:
+                    raise DirectoryUnavailableError(f"directory shard {s}: {exc}") from exc
                 log.warning("directory shard %d unavailable: %s; answering misses", s, exc)
                 return
             for i, r in zip(idx, answer, strict=True):

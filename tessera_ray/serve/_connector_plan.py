@@ -57,6 +57,8 @@ __all__ = [
     "SchedulerPlanner",
     "ExtraKeysFn",
     "tenant_namespace",
+    "key_fingerprint",
+    "prompt_keys",
     "check_paged_layout",
     "check_block_sizes",
 ]
@@ -231,6 +233,29 @@ class _Tracked:
 _RELOOK_S = 0.01  # between lookups of a request waiting on this engine's own stores
 
 
+def key_fingerprint(layout_fingerprint: str, model_name: str, extra: Any = None) -> str:
+    """What a token key covers besides the block's tokens: the page layout, the model, and
+    vLLM's extra keys of the block (LoRA, multimodal inputs; ``None`` for plain text)."""
+    # JSON of a list keeps the parts apart (no separator a model name could contain); vLLM's
+    # extra keys are tuples of str, int and bytes, whose repr is stable.
+    return json.dumps([layout_fingerprint, model_name, repr(extra) if extra else None])
+
+
+def prompt_keys(
+    namespace: str, fingerprint: str, token_ids: Sequence[int], block_tokens: int
+) -> list[TokenKey]:
+    """The chained keys of the full tier blocks of a plain-text prompt, as the connector's
+    scheduler computes them (for a router that looks a prompt up before any engine sees it)."""
+    keys: list[TokenKey] = []
+    parent: TokenKey | None = None
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        parent = token_key(
+            namespace, fingerprint, parent, list(token_ids[start : start + block_tokens])
+        )
+        keys.append(parent)
+    return keys
+
+
 def tenant_namespace(base: str, cache_salt: str | None) -> str:
     """The tier namespace of a request: ``base``, or a per-salt namespace under it. The salt is
     hashed so it never appears in the tier's state or metrics."""
@@ -317,9 +342,7 @@ class SchedulerPlanner:
         self._requests: dict[str, _Tracked] = {}
 
     def _fingerprint(self, model_name: str, extra: Any) -> str:
-        # JSON of a list keeps the parts apart (no separator a model name could contain);
-        # vLLM's extra keys are tuples of str, int and bytes, whose repr is stable.
-        return json.dumps([self.layout.fingerprint, model_name, repr(extra) if extra else None])
+        return key_fingerprint(self.layout.fingerprint, model_name, extra)
 
     def _track(self, request: RequestLike) -> _Tracked:
         tracked = self._requests.get(request.request_id)

@@ -352,3 +352,38 @@ def test_cli_start_and_stop_on_a_running_cluster(tessera_cluster: SimCluster) ->
         if a["namespace"] == "tessera-cli-test"
     ]
     assert alive == []
+
+
+def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    """On the running tier: a prompt whose blocks an engine stored on node 2's pool is routed
+    to node 2's replica, from the directory's answer alone."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from tessera_ray.serve._connector_plan import key_fingerprint, prompt_keys
+    from tessera_ray.serve.router import TesseraRequestRouter
+    from tessera_ray.serve.routing import RouteReason
+
+    tokens = list(range(5, 5 + 3 * LAYOUT.block_tokens + 9))
+    fingerprint = key_fingerprint(LAYOUT.fingerprint, "served")
+    keys = prompt_keys("route-ns", fingerprint, tokens, LAYOUT.block_tokens)
+    tier.store("route-ns", keys, blocks(3, 9), pool=tier.pool_on(tessera_cluster.node_ids[1]))
+    router = TesseraRequestRouter(
+        deployment_id=DeploymentID(name="llm", app_name="app"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+    )
+    router.initialize_state(
+        model_name="served", namespace="route-ns", client=tier, lookup_timeout_s=5.0
+    )
+    replicas = [
+        SimpleNamespace(replica_id=f"r{i}", node_id=n, max_ongoing_requests=8)
+        for i, n in enumerate(tessera_cluster.node_ids)
+    ]
+    pending = SimpleNamespace(args=[{"prompt": tokens}], kwargs={})
+    ranked = asyncio.run(router.choose_replicas(replicas, pending))
+    assert ranked[0][0].replica_id == "r1"
+    assert router.last_choice is not None
+    assert (router.last_choice.reason, router.last_choice.local_blocks) == (RouteReason.TIER, 3)

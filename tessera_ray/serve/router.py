@@ -1,0 +1,228 @@
+"""A Ray Serve request router that routes on the tier's directory (the Serve shell around
+:mod:`tessera_ray.serve.routing`).
+
+For each request the router computes the request's tier block keys from its prompt token ids,
+exactly as the connector's scheduler will (:func:`prompt_keys`), asks the directory for all of
+them in one batched lookup, and hands :func:`choose_replica` each candidate replica's pool (the
+pool on the replica's node) and queue length. The directory is authoritative and cluster-wide:
+it knows what every pool holds, including prefixes other replicas or other deployments stored,
+where a router that remembers the prompts it routed can only guess.
+
+Used in a deployment's config::
+
+    request_router_config:
+      request_router_class: tessera_ray.serve.router:TesseraRequestRouter
+      request_router_kwargs: {model_name: my-model, tokenizer: /models/my-model}
+
+Prompts are read from the request's first argument (an OpenAI-style request object or dict):
+``prompt`` as token ids is used as is; a text ``prompt`` or chat ``messages`` need
+``tokenizer`` (a local path for ``transformers.AutoTokenizer``). A request whose tokens are
+unknown, or whose lookup the tier does not answer within ``lookup_timeout_s``, is routed by
+power-of-two choices (counted as a fallback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import RequestRouter
+
+from tessera_ray.actors.client import POOL_PREFIX, TesseraClient
+from tessera_ray.core.results import TokenKey
+from tessera_ray.errors import TierConfigError
+from tessera_ray.metrics import Metrics, get_metrics
+from tessera_ray.serve._connector_plan import key_fingerprint, prompt_keys, tenant_namespace
+from tessera_ray.serve.routing import (
+    ReplicaState,
+    RouteChoice,
+    RouteReason,
+    choose_replica,
+    leading_blocks_by_pool,
+)
+
+__all__ = ["TesseraRequestRouter", "request_prompt"]
+
+log = logging.getLogger(__name__)
+
+
+def _field(obj: Any, name: str) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def request_prompt(args: Sequence[Any]) -> tuple[Any, str | None] | None:
+    """The prompt (token ids, text, or chat messages) and ``cache_salt`` of a Serve request's
+    first argument; ``None`` when it carries none."""
+    if not args:
+        return None
+    request = args[0]
+    for name in ("prompt", "messages"):
+        value = _field(request, name)
+        if value is not None:
+            salt = _field(request, "cache_salt")
+            return value, salt if isinstance(salt, str) else None
+    return None
+
+
+class TesseraRequestRouter(RequestRouter):
+    """Routes each request to the replica whose node's pool holds the longest leading run of
+    its tier blocks, within ``max_queue_gap`` of the shortest queue (see
+    :mod:`tessera_ray.serve.routing`)."""
+
+    def initialize_state(  # type: ignore[override]  # Serve passes the config's kwargs
+        self,
+        *,
+        model_name: str,
+        ray_namespace: str = "tessera",
+        namespace: str = "vllm",
+        tokenizer: str | None = None,
+        lookup_timeout_s: float = 0.05,
+        max_queue_gap: int = 2,
+        seed: int | None = None,
+        client: TesseraClient | None = None,
+        **_: Any,
+    ) -> None:
+        """``model_name`` and ``namespace`` must be the connector's (its ``model_name``, else
+        vLLM's served model name; its ``namespace``), or no key will match."""
+        if not model_name:
+            raise TierConfigError("TesseraRequestRouter: model_name is required")
+        if lookup_timeout_s <= 0 or max_queue_gap < 0:
+            raise TierConfigError(
+                "TesseraRequestRouter: lookup_timeout_s must be > 0 and max_queue_gap >= 0, got "
+                f"{lookup_timeout_s!r}, {max_queue_gap!r}"
+            )
+        self._model_name = model_name
+        self._ray_namespace = ray_namespace
+        self._namespace = namespace
+        self._tokenizer_path = tokenizer
+        self._tokenizer: Any = None
+        self._lookup_timeout_s = lookup_timeout_s
+        self._max_queue_gap = max_queue_gap
+        self._rng = random.Random(seed)
+        self._client = client
+        self._metrics: Metrics = get_metrics()
+        self.last_choice: RouteChoice | None = None
+        """The most recent decision (for tests and logs)."""
+
+    # ---------------------------------------------------------------- the facts
+
+    async def _tier(self) -> TesseraClient:
+        if self._client is None:
+            self._client = await asyncio.to_thread(TesseraClient.connect, self._ray_namespace)
+        return self._client
+
+    def _token_ids(self, prompt: Any) -> list[int] | None:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if self._tokenizer_path is None:
+            return None
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        if isinstance(prompt, str):
+            return list(self._tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, list):  # chat messages, as the engine renders them
+            ids = self._tokenizer.apply_chat_template(
+                prompt, tokenize=True, add_generation_prompt=True
+            )
+            return list(ids)
+        return None
+
+    def _keys(
+        self, client: TesseraClient, pending: PendingRequest | None
+    ) -> tuple[str, list[TokenKey]]:
+        found = request_prompt(pending.args) if pending is not None else None
+        if found is None:
+            return self._namespace, []
+        prompt, salt = found
+        try:
+            tokens = self._token_ids(prompt)
+        except Exception as exc:  # a prompt the tokenizer refuses is the engine's to reject
+            log.debug("router could not tokenize a prompt: %s", exc)
+            tokens = None
+        namespace = tenant_namespace(self._namespace, salt)
+        if not tokens:
+            return namespace, []
+        fingerprint = key_fingerprint(client.layout.fingerprint, self._model_name)
+        return namespace, prompt_keys(namespace, fingerprint, tokens, client.layout.block_tokens)
+
+    @staticmethod
+    def _pool_of(client: TesseraClient, node_id: str) -> str | None:
+        prefix = f"{POOL_PREFIX}{node_id[:12]}-"
+        return next((p for p in client.pools if p.startswith(prefix)), None)
+
+    def _queue_len(self, replica: RunningReplica) -> int:
+        queue = self._replica_queue_len_cache.get(replica.replica_id)
+        return int(queue) if queue is not None else 0
+
+    async def _held_by_pool(
+        self, client: TesseraClient, namespace: str, keys: list[TokenKey]
+    ) -> dict[str, int] | None:
+        try:
+            results = await asyncio.wait_for(
+                client.alookup(namespace, keys, strict=True),
+                self._lookup_timeout_s,
+            )
+        except Exception as exc:  # the tier is down or slow: route without it
+            log.info("tier lookup for routing did not answer: %s", exc)
+            return None
+        return leading_blocks_by_pool(results)
+
+    # ---------------------------------------------------------------- Serve's hook
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """The chosen replica first, the others after it (Serve tries them in order when the
+        first is at capacity)."""
+        if not candidate_replicas:
+            return []
+        held: dict[str, int] | None = None
+        states: list[ReplicaState]
+        try:
+            client = await self._tier()
+        except Exception as exc:
+            log.info("no tier to route on: %s", exc)
+            client = None
+        if client is not None:
+            namespace, keys = self._keys(client, pending_request)
+            if keys:
+                held = await self._held_by_pool(client, namespace, keys)
+        states = [
+            ReplicaState(
+                str(r.replica_id),
+                self._pool_of(client, r.node_id) if client is not None else None,
+                self._queue_len(r),
+            )
+            for r in candidate_replicas
+        ]
+        choice = choose_replica(states, held, max_queue_gap=self._max_queue_gap, rng=self._rng)
+        self._record(choice)
+        chosen = next(r for r in candidate_replicas if str(r.replica_id) == choice.replica_id)
+        return [[chosen], [r for r in candidate_replicas if r is not chosen]]
+
+    def _record(self, choice: RouteChoice) -> None:
+        self.last_choice = choice
+        deployment = getattr(self, "_deployment_id", None)
+        tags = {
+            "ray_namespace": self._ray_namespace,
+            "deployment": getattr(deployment, "name", "") or "",
+            "reason": choice.reason.value,
+        }
+        try:
+            self._metrics.inc("tessera_route_requests", 1, tags)
+            if choice.reason is not RouteReason.FALLBACK:
+                del tags["reason"]
+                self._metrics.observe("tessera_route_local_blocks", choice.local_blocks, tags)
+        except Exception as exc:  # metrics never stop a request
+            log.debug("route metrics not recorded: %s", exc)

@@ -1,0 +1,194 @@
+"""The Serve request router around the routing rule: the keys it computes are the connector's,
+its choice follows the directory's answer, and it keeps routing (counted) when the tier is
+silent. Serve's real ``RequestRouter`` base class, replicas and tier stood in for."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+from ray.serve._private.request_router.common import PendingRequest
+
+from tessera_ray.actors.client import POOL_PREFIX
+from tessera_ray.actors.directory import LookupResult, Replica, Tier
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.errors import DirectoryUnavailableError, TierConfigError
+from tessera_ray.layout import MLAConfig, build_layout
+from tessera_ray.serve._connector_plan import (
+    SchedulerPlanner,
+    key_fingerprint,
+    prompt_keys,
+    tenant_namespace,
+)
+from tessera_ray.serve.router import TesseraRequestRouter, request_prompt
+from tessera_ray.serve.routing import RouteReason
+
+LAYOUT = build_layout(MLAConfig(name="router-mla", num_layers=2, num_heads=4))
+NODES = ("a" * 28 + "0001", "b" * 28 + "0002")
+
+
+@dataclass
+class _Replica:
+    replica_id: str
+    node_id: str
+    max_ongoing_requests: int = 8
+
+
+class _FakeTier:
+    """Pools on the two nodes; ``held`` maps a key to the pools holding it in memory."""
+
+    def __init__(self) -> None:
+        self.layout = LAYOUT
+        self.pools = [f"{POOL_PREFIX}{n[:12]}-0" for n in NODES]
+        self.held: dict[TokenKey, list[str]] = {}
+        self.down = False
+        self.lookups = 0
+
+    async def alookup(self, namespace: str, keys: list[TokenKey], *, strict: bool = False) -> Any:
+        self.lookups += 1
+        if self.down:
+            raise DirectoryUnavailableError("directory shard 0: killed")
+        return [
+            LookupResult(k, BlockHash(1), tuple(Replica(p, Tier.MEMORY, 0, 1) for p in pools))
+            if (pools := self.held.get(k))
+            else None
+            for k in keys
+        ]
+
+
+def _router(tier: _FakeTier, **kwargs: Any) -> TesseraRequestRouter:
+    router = TesseraRequestRouter(
+        deployment_id=DeploymentID(name="llm", app_name="app"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+    )
+    settings = {"model_name": "m", "client": tier, "seed": 1, **kwargs}
+    router.initialize_state(**settings)
+    return router
+
+
+def _pending(body: Any) -> PendingRequest:
+    return SimpleNamespace(args=[body], kwargs={})  # type: ignore[return-value]
+
+
+def _route(router: TesseraRequestRouter, replicas: list[_Replica], body: Any) -> _Replica:
+    ranked = asyncio.run(router.choose_replicas(replicas, _pending(body)))  # type: ignore[arg-type]
+    assert sorted(r.replica_id for group in ranked for r in group) == sorted(
+        r.replica_id for r in replicas
+    )
+    return ranked[0][0]
+
+
+def _keys(tokens: list[int], salt: str | None = None) -> list[TokenKey]:
+    namespace = tenant_namespace("vllm", salt)
+    return prompt_keys(namespace, key_fingerprint(LAYOUT.fingerprint, "m"), tokens, 64)
+
+
+def test_router_keys_are_the_connectors_keys() -> None:
+    """The router looks up exactly the keys the connector's scheduler stores and loads under."""
+    tokens = list(range(7, 7 + 200))
+    planner = SchedulerPlanner(
+        SimpleNamespace(), LAYOUT, namespace="vllm", model_name="m", block_tokens=64,  # type: ignore[arg-type]
+        can_load=True, can_save=True,
+    )  # fmt: skip
+    for salt in (None, "tenant-a"):
+        request = SimpleNamespace(request_id=f"r-{salt}", all_token_ids=tokens, cache_salt=salt)
+        tracked = planner._track(request)  # type: ignore[arg-type]
+        assert planner._keys(tracked, 3) == _keys(tokens, salt)
+    assert len(_keys(tokens[:63])) == 0 and _keys(tokens)[0] != _keys(tokens, "tenant-a")[0]
+
+
+def test_request_prompt_reads_openai_bodies() -> None:
+    assert request_prompt([{"prompt": [1, 2], "cache_salt": "s"}]) == ([1, 2], "s")
+    chat = SimpleNamespace(messages=[{"role": "user", "content": "hi"}], cache_salt=None)
+    assert request_prompt([chat]) == (chat.messages, None)
+    assert request_prompt([{"model": "m"}]) is None and request_prompt([]) is None
+
+
+def test_a_request_goes_to_the_replica_whose_pool_holds_its_prefix() -> None:
+    tier, tokens = _FakeTier(), list(range(300))
+    for k in _keys(tokens)[:3]:
+        tier.held[k] = [tier.pools[1]]
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
+    router = _router(tier)
+    for _ in range(5):  # not a coin flip
+        assert _route(router, replicas, {"prompt": tokens}).replica_id == "r1"
+        assert router.last_choice is not None
+        assert router.last_choice.reason is RouteReason.TIER
+        assert router.last_choice.local_blocks == 3
+    # Another tenant's keys differ: nothing is held for it, the shorter queue wins.
+    router._replica_queue_len_cache.update("r1", 1)
+    assert _route(router, replicas, {"prompt": tokens, "cache_salt": "t"}).replica_id == "r0"
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.BALANCED
+
+
+def test_a_hot_prefix_spreads_once_its_replica_queue_is_deeper_than_the_bound() -> None:
+    tier, tokens = _FakeTier(), list(range(300))
+    for k in _keys(tokens):
+        tier.held[k] = [tier.pools[0]]
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
+    router = _router(tier, max_queue_gap=2)
+    router._replica_queue_len_cache.update("r0", 2)
+    assert _route(router, replicas, {"prompt": tokens}).replica_id == "r0"  # within the bound
+    router._replica_queue_len_cache.update("r0", 3)
+    assert _route(router, replicas, {"prompt": tokens}).replica_id == "r1"
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.BALANCED
+
+
+def test_a_silent_tier_or_unknown_tokens_fall_back_to_power_of_two() -> None:
+    tier, tokens = _FakeTier(), list(range(300))
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
+    router = _router(tier)
+    router._replica_queue_len_cache.update("r0", 5)
+    tier.down = True
+    assert _route(router, replicas, {"prompt": tokens}).replica_id == "r1"
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.FALLBACK
+    tier.down, tier.lookups = False, 0
+    _route(router, replicas, {"prompt": "text, and no tokenizer configured"})
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.FALLBACK
+    assert tier.lookups == 0
+
+
+def test_a_slow_tier_is_not_waited_for() -> None:
+    class _Slow(_FakeTier):
+        async def alookup(self, *args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(5)
+
+    router = _router(_Slow(), lookup_timeout_s=0.05)
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
+    _route(router, replicas, {"prompt": list(range(300))})
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.FALLBACK
+
+
+def test_router_settings_are_checked() -> None:
+    with pytest.raises(TierConfigError, match="model_name"):
+        _router(_FakeTier(), model_name="")
+    with pytest.raises(TierConfigError, match="max_queue_gap"):
+        _router(_FakeTier(), max_queue_gap=-1)
+
+
+def test_a_strict_lookup_tells_a_dead_shard_from_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's lookup answers misses for a shard that is down (a reader recomputes), but a
+    router must know the tier did not answer: ``strict`` raises instead."""
+    from ray.exceptions import ActorDiedError
+
+    from tessera_ray.actors.client import TesseraClient
+    from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+
+    async def died() -> None:
+        raise ActorDiedError()
+
+    dead_shard = SimpleNamespace(lookup=SimpleNamespace(remote=lambda *a: died()))
+    client = TesseraClient(
+        TierConfig(model="tiny-mla", pool=PoolServiceConfig(num_blocks=4), num_shards=1),
+        LAYOUT,
+        ["p"],
+    )
+    monkeypatch.setattr(client, "shard", lambda i: dead_shard)
+    keys = _keys(list(range(128)))
+    assert asyncio.run(client.alookup("vllm", keys)) == [None, None]
+    with pytest.raises(DirectoryUnavailableError, match="shard 0"):
+        asyncio.run(client.alookup("vllm", keys, strict=True))
