@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve._private.request_router.common import PendingRequest
@@ -26,6 +27,7 @@ from tessera_ray.serve._connector_plan import (
 )
 from tessera_ray.serve.router import TesseraRequestRouter, request_prompt
 from tessera_ray.serve.routing import RouteReason
+from tests.conftest import SimCluster
 
 LAYOUT = build_layout(MLAConfig(name="router-mla", num_layers=2, num_heads=4))
 NODES = ("a" * 28 + "0001", "b" * 28 + "0002")
@@ -80,6 +82,10 @@ def _route(router: TesseraRequestRouter, replicas: list[_Replica], body: Any) ->
         r.replica_id for r in replicas
     )
     return ranked[0][0]
+
+
+def _blocks(n: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, (n, LAYOUT.block_bytes), dtype=np.uint8)
 
 
 def _keys(tokens: list[int], salt: str | None = None) -> list[TokenKey]:
@@ -192,3 +198,78 @@ def test_a_strict_lookup_tells_a_dead_shard_from_a_miss(monkeypatch: pytest.Monk
     assert asyncio.run(client.alookup("vllm", keys)) == [None, None]
     with pytest.raises(DirectoryUnavailableError, match="shard 0"):
         asyncio.run(client.alookup("vllm", keys, strict=True))
+
+
+@pytest.mark.ray
+def test_serve_routes_a_prompt_to_the_replica_on_the_node_holding_it(
+    tessera_cluster: SimCluster,
+) -> None:
+    """Serve instantiates the router from a deployment's config; two replicas on two nodes; a
+    prompt whose blocks live on one node's pool goes to that node's replica, every time."""
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from tessera_ray.actors.client import TesseraClient
+    from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+
+    namespace = "tessera-test-router"
+    config = TierConfig(
+        model="router-mla", pool=PoolServiceConfig(num_blocks=8), num_shards=1,
+        ray_namespace=namespace,
+    )  # fmt: skip
+    tier = TesseraClient.start(config, layout=LAYOUT, pools_on=tessera_cluster.node_ids)
+
+    @serve.deployment(
+        num_replicas=2,
+        max_replicas_per_node=1,
+        ray_actor_options={"num_cpus": 0},
+        request_router_config=RequestRouterConfig(
+            request_router_class="tessera_ray.serve.router:TesseraRequestRouter",
+            request_router_kwargs={"model_name": "m", "ray_namespace": namespace},
+        ),
+    )
+    class Where:
+        def __call__(self, body: dict[str, Any]) -> str:
+            return str(ray.get_runtime_context().get_node_id())
+
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    try:
+        handle = serve.run(Where.bind(), name="router-test", route_prefix=None)
+        nodes = {handle.remote({"model": "m"}).result(timeout_s=60) for _ in range(40)}
+        assert len(nodes) == 2  # no prompt: power-of-two spreads over both replicas
+        target = sorted(nodes)[1]
+        tokens = list(range(3, 3 + 3 * 64 + 5))
+        tier.store("vllm", _keys(tokens), _blocks(3), pool=tier.pool_on(target))
+        routed = [handle.remote({"prompt": tokens}).result(timeout_s=60) for _ in range(8)]
+        assert routed == [target] * 8
+    finally:
+        serve.shutdown()
+        tier.stop()
+
+
+def test_the_deploy_example_routes_on_the_connectors_keys() -> None:
+    """The Serve LLM example's router names the connector's model and namespace (else no key it
+    looks up would match), and Serve's own config type accepts it."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.config import RequestRouterConfig
+
+    from tessera_ray.serve.connector import TesseraConnectorConfig
+
+    root = Path(__file__).resolve().parents[2]
+    app = yaml.safe_load((root / "deploy" / "serve_llm_tessera.yaml").read_text())
+    (llm,) = app["applications"][0]["args"]["llm_configs"]
+    routing = RequestRouterConfig(**llm["deployment_config"]["request_router_config"])
+    assert routing.get_request_router_class() is TesseraRequestRouter
+    extra = llm["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
+    connector = TesseraConnectorConfig.from_extra_config(extra)
+    kwargs = routing.request_router_kwargs
+    assert (kwargs["model_name"], kwargs["namespace"], kwargs["ray_namespace"]) == (
+        connector.model_name,
+        connector.namespace,
+        connector.ray_namespace,
+    )
+    router = _router(_FakeTier(), **{k: v for k, v in kwargs.items() if k != "model_name"})
+    assert router._tokenizer_path == kwargs["tokenizer"]
