@@ -30,9 +30,9 @@ nothing else: the most any verified fetch reaches here). ``nixl_transfer_call`` 
 spent inside NIXL's ``transfer()`` call of the raw READ: the Python binding copies there, on
 the calling thread. ``read_while_hashing`` runs a raw READ on a kept thread while this one
 hashes as many other bytes: on this VM they take nearly the sum of both apart, while a hash in
-a separate process mostly overlaps the READ (``probe_nixl_overlap.py``), and hashing each
+a separate process mostly overlaps the READ, and hashing each
 request's pages on the other core while the next one lands, even from C without the GIL, does
-no better than hashing them on the I/O thread (``probe_landed_pipeline.py``).
+no better than hashing them on the I/O thread (docs/verified-fetch-probes.md).
 """
 
 from __future__ import annotations
@@ -435,10 +435,10 @@ def main() -> None:
                 f"on this 2-core VM a hash does not overlap a READ (two threads take "
                 f"{r['read_while_hashing_ms']:.1f} ms against {raw_ms:.1f} + "
                 f"{r['hash_ms']:.1f} ms apart, row read_while_hashing_{label}; a hash in "
-                f"another process is itself slowed about 2x, probe_nixl_overlap.py; hashing "
+                f"another process is itself slowed about 2x; hashing "
                 f"each request's pages on the other core while the next one lands, even from C "
                 f"with the GIL released, slows the copy and does no better, "
-                f"probe_landed_pipeline.py), so verifying costs a pass over the bytes after the "
+                f"docs/verified-fetch-probes.md), so verifying costs a pass over the bytes after the "
                 f"copy before any owner round trip or bookkeeping"
             )
 

@@ -40,11 +40,8 @@ class TransportConfig:
     hash_chunk_bytes: int = 512 << 10
     """A NIXL read that hashes what it lands (every verified fetch from a host pool) is posted
     as requests of about this many bytes, each page hashed right after its request completes,
-    on the I/O thread that copied it, while the bytes are still in that core's cache (L2 is
-    1 MiB per core here; after one 18 MB request they have left it). A verified fetch of 256
-    MLA pages ran at 0.43-0.51 of a raw READ with 512 KiB requests against 0.41-0.48 with one
-    request, in 6 interleaved runs (``benchmarks/probe_fetch_hashing.py``); 256 KiB did worse
-    (more requests), 1-2 MiB about as well. 0 posts each part as one request."""
+    on the I/O thread that copied it, while the bytes are likely still in that core's cache
+    (docs/verified-fetch-probes.md). 0 posts each part as one request."""
     nixl_progress_delay_us: int = 200
     """Pause of the NIXL progress thread between two progress calls. NIXL's Python API starts
     it at 0, which spins one core per agent even when idle: on a 2-core node with three pools
