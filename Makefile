@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "tessera-ray needs Python >= 3.11, found " + sys.version.split()[0]'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev]"
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev,plot]"
 	touch $(STAMP)
 
 install: $(STAMP)

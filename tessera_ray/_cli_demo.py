@@ -12,6 +12,10 @@ __all__ = ["add_demo_command"]
 def _cmd_demo(ns: argparse.Namespace) -> int:
     from tessera_ray.demo import DemoConfig, plot_report, render_summary, run_demo
 
+    if ns.plot is not None:
+        from tessera_ray._plot import pyplot
+
+        pyplot()  # a missing plot extra is refused before the run, not after it
     config = DemoConfig(
         num_agents=ns.agents,
         num_rounds=ns.rounds,

@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from tessera_ray.errors import OptionalDependencyError
 from tessera_ray.layout import ModelLayout, account, format_context
 
-__all__ = ["plot_sizes"]
+__all__ = ["plot_sizes", "pyplot"]
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on its file-only backend; a clear error when the extra is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise OptionalDependencyError(
+            "--plot needs matplotlib: pip install 'tessera-ray[plot]'"
+        ) from None
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _binary(nbytes: int) -> str:
@@ -18,10 +34,7 @@ def _binary(nbytes: int) -> str:
 
 def plot_sizes(layouts: list[ModelLayout], out: Path, *, max_context: int) -> None:
     """Stored KV bytes against context, one line per layout, MHA-equivalent dashed (log axes)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     top = max(max_context, 1 << 20)
     contexts = [1 << p for p in range(10, top.bit_length())]

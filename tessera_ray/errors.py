@@ -13,6 +13,7 @@ __all__ = [
     "LeaseError",
     "PoolUnavailableError",
     "DirectoryUnavailableError",
+    "OptionalDependencyError",
     "TenantError",
     "DirectoryError",
     "TesseraError",
@@ -254,6 +255,10 @@ class PoolUnavailableError(TesseraError, ConnectionError):
 
 class DirectoryUnavailableError(TesseraError, ConnectionError):
     """A directory shard did not answer (dead, restarting, or slower than the caller's bound)."""
+
+
+class OptionalDependencyError(TesseraError, ImportError):
+    """A feature needs a package of an optional extra that is not installed."""
 
 
 class TenantError(TesseraError, PermissionError):

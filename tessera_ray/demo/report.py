@@ -191,10 +191,9 @@ def render_summary(report: DemoReport) -> str:
 def plot_report(report: DemoReport, out: Path) -> None:
     """Left: stored bytes over requests, with and without dedup. Right: tokens per round by
     where they came from."""
-    import matplotlib
+    from tessera_ray._plot import pyplot
 
-    matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
     with_dedup, without, s, w = [], [], 0, 0

@@ -128,3 +128,12 @@ def test_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert code == 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "deepseek-v4-flash" in out and "llama-3.1-70b" in out
+
+
+def test_plot_without_the_plot_extra_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, _, err = run(capsys, "--plot", str(tmp_path / "sizes.png"), "--context", "8k")
+    assert code == 2
+    assert "tessera-ray[plot]" in err and not (tmp_path / "sizes.png").exists()
