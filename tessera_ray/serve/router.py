@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ from tessera_ray.serve.routing import (
 __all__ = ["TesseraRequestRouter", "request_prompt"]
 
 log = logging.getLogger(__name__)
+_CONNECT_RETRY_S = 10.0
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -107,20 +109,26 @@ class TesseraRequestRouter(RequestRouter):
         self._max_queue_gap = max_queue_gap
         self._rng = random.Random(seed)
         self._client = client
+        self._connect_after = 0.0
         self._metrics: Metrics = get_metrics()
         self.last_choice: RouteChoice | None = None
         """The most recent decision (for tests and logs)."""
 
     # ---------------------------------------------------------------- the facts
 
-    async def _tier(self) -> TesseraClient:
-        if self._client is None:
-            self._client = await asyncio.to_thread(TesseraClient.connect, self._ray_namespace)
+    async def _tier(self) -> TesseraClient | None:
+        """The tier's client, connecting when there is none, at most every
+        ``_CONNECT_RETRY_S`` (a tier that is not up costs requests nothing but the fallback)."""
+        if self._client is None and time.monotonic() >= self._connect_after:
+            self._connect_after = time.monotonic() + _CONNECT_RETRY_S
+            try:
+                self._client = await asyncio.to_thread(TesseraClient.connect, self._ray_namespace)
+            except Exception as exc:
+                log.info("no tier to route on yet: %s", exc)
         return self._client
 
     def _token_ids(self, prompt: Any) -> list[int] | None:
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return prompt
+        """Token ids of a text prompt or chat messages, with the configured tokenizer."""
         if self._tokenizer_path is None:
             return None
         if self._tokenizer is None:
@@ -136,7 +144,7 @@ class TesseraRequestRouter(RequestRouter):
             return list(ids)
         return None
 
-    def _keys(
+    async def _keys(
         self, client: TesseraClient, pending: PendingRequest | None
     ) -> tuple[str, list[TokenKey]]:
         found = request_prompt(pending.args) if pending is not None else None
@@ -144,7 +152,10 @@ class TesseraRequestRouter(RequestRouter):
             return self._namespace, []
         prompt, salt = found
         try:
-            tokens = self._token_ids(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                tokens: list[int] | None = prompt
+            else:  # loading and running a tokenizer stays off Serve's event loop
+                tokens = await asyncio.to_thread(self._token_ids, prompt)
         except Exception as exc:  # a prompt the tokenizer refuses is the engine's to reject
             log.debug("router could not tokenize a prompt: %s", exc)
             tokens = None
@@ -188,14 +199,9 @@ class TesseraRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         held: dict[str, int] | None = None
-        states: list[ReplicaState]
-        try:
-            client = await self._tier()
-        except Exception as exc:
-            log.info("no tier to route on: %s", exc)
-            client = None
+        client = await self._tier()
         if client is not None:
-            namespace, keys = self._keys(client, pending_request)
+            namespace, keys = await self._keys(client, pending_request)
             if keys:
                 held = await self._held_by_pool(client, namespace, keys)
         states = [

@@ -273,3 +273,29 @@ def test_the_deploy_example_routes_on_the_connectors_keys() -> None:
     )
     router = _router(_FakeTier(), **{k: v for k, v in kwargs.items() if k != "model_name"})
     assert router._tokenizer_path == kwargs["tokenizer"]
+
+
+def test_without_a_tier_the_router_routes_and_tries_again_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tessera_ray.actors.client import TesseraClient
+    from tessera_ray.errors import PoolUnavailableError
+
+    attempts: list[str] = []
+
+    def connect(ray_namespace: str, **_: Any) -> TesseraClient:
+        attempts.append(ray_namespace)
+        raise PoolUnavailableError(f"no tessera-ray pools in Ray namespace {ray_namespace!r}")
+
+    monkeypatch.setattr(TesseraClient, "connect", connect)
+    router = TesseraRequestRouter(
+        deployment_id=DeploymentID(name="llm", app_name="app"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+    )
+    router.initialize_state(model_name="m", ray_namespace="not-started")
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
+    for _ in range(3):
+        _route(router, replicas, {"prompt": list(range(300))})
+        assert router.last_choice is not None
+        assert router.last_choice.reason is RouteReason.FALLBACK
+    assert attempts == ["not-started"]  # one attempt per retry interval, not per request
