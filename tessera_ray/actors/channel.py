@@ -1,8 +1,8 @@
 """A direct control channel between pool actors, for the fetch's pin and unpin.
 
-Why: on a 2-core node a Ray actor call takes 1.3-2.4 ms even when the method does nothing
-(``bench_transport.py``, row ``actor_noop_call``), longer than the NIXL READ of the 256 MLA
-pages it pins (1.2-2 ms). The pin sits on every fetch's critical path, so the owner also serves
+Why: a Ray actor call costs milliseconds even when the method does nothing, as long as the
+NIXL READ of the pages it pins (docs/measured-choices.md). The pin sits on every fetch's
+critical path, so the owner also serves
 it on a plain TCP connection, kept open per pair of pools: one small frame each way, handled on
 the owner actor's own event loop (the same code as its Ray ``pin`` method, no thread to lock
 against). Ray stays the way to find the channel and the fallback when it is down.
@@ -13,9 +13,7 @@ its answer (rather than an awaitable) is answered in that same callback, with no
 further loop iteration. The client, awaiting an answer, first waits for it on the socket itself
 for up to :data:`ANSWER_POLL_S` and reads it there, before it lets the loop wait: the pool
 actor's loop is about to be held by the fetch's read anyway, and the answer is nearly always
-that close. Measured between two Ray actors here (a noop round trip, medians of 100): 0.71-0.81
-ms over the asyncio-stream ends this replaced, 0.16-0.21 ms now; after a 96 MiB cache flush
-0.90-0.92 ms against 0.34-0.38 ms.
+that close (this took a round trip to a quarter of what asyncio streams took).
 
 Trust: the listener takes a connection only after it presents the owner's 32-byte secret,
 compared in constant time. Readers learn address and secret through a Ray call to the owner
@@ -64,7 +62,7 @@ MAX_FRAME_BYTES = 64 << 20
 """Largest frame either end accepts (a pin of 100,000 blocks is a few MB)."""
 ANSWER_POLL_S = 0.002
 """How long a client waits on the socket itself for an answer before yielding to its loop (the
-loop is held meanwhile; an owner answers a pin of 256 pages in about 1 ms here)."""
+loop is held meanwhile; about as long as an owner takes to answer a large pin)."""
 _HELLO = b"tessera-channel/1\n"
 _SECRET_BYTES = 32
 _HELLO_TIMEOUT_S = 5.0

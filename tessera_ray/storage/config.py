@@ -42,21 +42,10 @@ class DiskTierConfig:
     where the root's filesystem supports it, else buffered; True: required (opening a root on a
     filesystem without it fails); False: buffered.
 
-    Why direct by default: the crash-safe segment protocol itself (a fresh ``.partial`` per
-    batch, fsync, rename, directory fsync), run with no tier code through the page cache, wrote
-    at a median 0.78 of a raw buffered append with the same fsyncs (0.34-0.89 over 11
-    ``bench_disk`` runs), so a buffered tier cannot reliably meet the 0.8 write target, while
-    the direct tier wrote at 0.92-2.4x that append in the same runs. Reading the tier's
-    segment files whole, nothing verified, ran at 0.88-1.39 of one raw buffered read of the
-    same bytes with O_DIRECT and at 0.41-0.91 through the page cache. The tier sits under a
-    memory pool that caches the hot pages, so the page cache's second copy competes with the
-    pool (and the pinned host tier) for RAM.
-
-    What buffered IO wins: a workload that restores pages right after spilling them reads them
-    from spare RAM. The chaos load test, which does that constantly, ran alone four times back
-    to back at 82.4 and 76.8 ops/s direct against 83.3 and 83.3 buffered (``pytest
-    tests/chaos/test_load.py``); an earlier 80.6 against 93.0 compared two whole test-suite
-    runs on different days."""
+    Why direct by default: the tier sits under a memory pool that caches the hot pages, so a
+    second copy in the page cache competes with the pool for RAM, and through the page cache
+    the segment protocol's writes fell short of a raw append too often; buffered I/O wins only
+    where pages are restored right after they spill (docs/measured-choices.md)."""
     progress_min_files: int = 10_000
     """Segment count from which opening a root shows a progress line on a TTY stderr."""
     progress: bool | None = None

@@ -1,21 +1,10 @@
 """The disk tier: checksummed page records in immutable segment files, verified on every read.
 
-Why segment files (one per written batch) and not one file per page: writing 2,000 MLA pages
-of 73,728 B (147 MB) on this 2-core VM (ext4 on virtio, medians of two runs) took
-
-====================================  ========  ==================
-layout (64 pages per batch)           GB/s      vs raw write+fsync
-====================================  ========  ==================
-raw: one file, fsync per batch        0.94-1.04 1.0
-one segment file per batch            0.73-0.82 ~0.8
-one file per page, 8 fsync threads    0.11-0.17 ~0.15
-one file per page, 32 fsync threads   0.16-0.37 ~0.3
-====================================  ========  ==================
-
-and with 256-page batches 1.07-1.16 GB/s for segments against 0.30-0.45 for files per page. A
-per-page fsync costs a journal commit each; a segment pays one fsync and one directory fsync
-per batch, the same durability point as the raw baseline. Records stay individually
-checksummed, so one bad record is quarantined alone and its neighbours stay readable.
+Why segment files (one per written batch) and not one file per page: a per-page fsync costs a
+journal commit each, and a file per page wrote several times slower than segments
+(docs/measured-choices.md); a segment pays one fsync and one directory fsync per batch, the
+durability point of a raw write. Records stay individually checksummed, so one bad record is
+quarantined alone and its neighbours stay readable.
 
 Eviction works on segments: a segment's recency is the last use of any of its pages, and the
 least recently used segment is unlinked whole (pages of one batch are usually one request's
@@ -25,8 +14,6 @@ segments' modification times order them.
 
 Segment IO goes around the page cache (``O_DIRECT``) where the filesystem allows it, else
 through it; ``DiskTierConfig.direct_io`` says why and chooses (``_direct`` has the transfers).
-The table above was measured buffered; direct, the segment protocol alone kept 0.86-0.97 of a
-raw direct append with the same fsyncs, and 1.7-2.6x the raw buffered append.
 """
 
 from __future__ import annotations

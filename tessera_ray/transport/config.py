@@ -44,9 +44,10 @@ class TransportConfig:
     (docs/verified-fetch-probes.md). 0 posts each part as one request."""
     nixl_progress_delay_us: int = 200
     """Pause of the NIXL progress thread between two progress calls. NIXL's Python API starts
-    it at 0, which spins one core per agent even when idle: on a 2-core node with three pools
-    that starves everything else. 200 us adds at most that to a transfer's completion (an
-    actor round trip is 1-5 ms here); 0 restores the spinning thread."""
+    it at 0, which spins one core per agent even when idle (on a small node with several pools
+    that starves everything else); the pause adds at most itself to a transfer's completion,
+    well under an actor round trip (docs/measured-choices.md). 0 restores the spinning
+    thread."""
     poll_max_sleep_s: float = 0.0005
     """Longest pause between two completion checks of a NIXL transfer. NIXL's Python API has no
     blocking wait, so :meth:`Transport.wait` spins briefly and then backs off up to this."""
