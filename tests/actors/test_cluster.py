@@ -357,8 +357,8 @@ def test_cli_start_and_stop_on_a_running_cluster(tessera_cluster: SimCluster) ->
 def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
     tier: TesseraClient, tessera_cluster: SimCluster
 ) -> None:
-    """On the running tier: a prompt whose blocks an engine stored on node 2's pool is routed
-    to node 2's replica, from the directory's answer alone."""
+    """On the running tier: a prompt whose blocks an engine stored on node 3's pool is routed
+    to node 3's replica, from the directory's answer alone (node 2's pool died above)."""
     from types import SimpleNamespace
 
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
@@ -370,7 +370,7 @@ def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
     tokens = list(range(5, 5 + 3 * LAYOUT.block_tokens + 9))
     fingerprint = key_fingerprint(LAYOUT.fingerprint, "served")
     keys = prompt_keys("route-ns", fingerprint, tokens, LAYOUT.block_tokens)
-    tier.store("route-ns", keys, blocks(3, 9), pool=tier.pool_on(tessera_cluster.node_ids[1]))
+    tier.store("route-ns", keys, blocks(3, 9), pool=tier.pool_on(tessera_cluster.node_ids[2]))
     router = TesseraRequestRouter(
         deployment_id=DeploymentID(name="llm", app_name="app"),
         handle_source=DeploymentHandleSource.UNKNOWN,
@@ -384,6 +384,6 @@ def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
     ]
     pending = SimpleNamespace(args=[{"prompt": tokens}], kwargs={})
     ranked = asyncio.run(router.choose_replicas(replicas, pending))
-    assert ranked[0][0].replica_id == "r1"
+    assert ranked[0][0].replica_id == "r2"
     assert router.last_choice is not None
     assert (router.last_choice.reason, router.last_choice.local_blocks) == (RouteReason.TIER, 3)
