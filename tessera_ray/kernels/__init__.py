@@ -7,7 +7,8 @@
 - :func:`merge_attention_states`: exact LSE merge of partials over disjoint pages.
 - :func:`rope_shift`: re-rotates stored ``k_rope`` to a new position.
 - ``fp8_ds_mla`` pages (656 B/token): :func:`quantize_fp8_ds_mla`,
-  :func:`dequantize_fp8_ds_mla`, :func:`mla_decode_fp8_reference`.
+  :func:`dequantize_fp8_ds_mla`, :func:`mla_decode_fp8_reference` (the reference is the only
+  fp8 decode: FlashMLA's fp8 kernel is its sparse path, not wired here).
 """
 
 from tessera_ray.kernels.adapter import (
