@@ -30,7 +30,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-os.environ.setdefault("UCX_MODULES", "^ib")  # before anything loads UCX (REFERENCE.md)
+# Before anything loads UCX: its ib module crashes a process at exit with some system
+# libibverbs (this single-host benchmark has no use for RDMA); an operator's choice stays.
+os.environ.setdefault("UCX_MODULES", "^ib")
 
 import ray  # noqa: E402
 import torch  # noqa: E402

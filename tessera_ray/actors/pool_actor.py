@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
@@ -74,9 +73,6 @@ class PoolActor:
         content_hash: ContentHashFn | None = None,
         tenant_secret: bytes | None = None,
     ) -> None:
-        # UCX reads this when the NIXL agent starts: with system libibverbs present a process
-        # holding a UCX backend can crash at exit otherwise.
-        os.environ.setdefault("UCX_MODULES", "^ib")
         node = ray.get_runtime_context().get_node_id()
         self.ray_namespace = ray_namespace
         self.num_shards = num_shards

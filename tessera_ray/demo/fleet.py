@@ -10,7 +10,6 @@ and compare the logits bit for bit. Only the public client API is used.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 import time
 from collections.abc import Sequence
@@ -47,9 +46,6 @@ def run_demo(
     temporary folder removed at the end.
     """
     t0 = time.perf_counter()
-    # UCX reads this when NIXL starts in the pool actors, which inherit the driver's
-    # environment on an embedded Ray (see tests/conftest.py for why).
-    os.environ.setdefault("UCX_MODULES", "^ib")
     engine = Engine(config.max_prompt_blocks() + 1)  # + 1: the partial tail block
     with tempfile.TemporaryDirectory(prefix="tessera-demo-", ignore_cleanup_errors=True) as disk:
         tier_config = TierConfig(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 import sys
 import threading
 import time
@@ -76,10 +75,11 @@ _Item = tuple[_Job, TransferTicket, list[int], list[int], list[int]]
 
 
 def import_nixl() -> tuple[Any, Any]:
-    """``(nixl_agent, nixl_agent_config)``, or :class:`TransportUnavailableError`."""
-    # With system libibverbs present, UCX's IB module can crash the process at exit; excluding
-    # it must happen before UCX loads. setdefault keeps an operator's choice.
-    os.environ.setdefault("UCX_MODULES", "^ib")
+    """``(nixl_agent, nixl_agent_config)``, or :class:`TransportUnavailableError`.
+
+    UCX's modules are the operator's choice (``UCX_MODULES``): the package never turns RDMA
+    off. A host whose system libibverbs makes UCX crash a process at exit sets ``^ib`` itself.
+    """
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except Exception as e:  # ImportError, or a broken wheel failing while loading its library

@@ -5,6 +5,7 @@ wrapper module so it runs where NIXL is not installed."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
 from typing import Any
@@ -75,3 +76,35 @@ def test_the_installed_release_is_one_the_patch_knows() -> None:
     if version is None:
         pytest.skip("NIXL is not installed here")
     assert version.startswith(nixl_transport.PROGRESS_DELAY_RELEASES), version
+
+
+def test_the_package_never_switches_ucx_modules_off() -> None:
+    """RDMA stays on unless the operator says otherwise: no module of the package writes
+    ``UCX_MODULES``, and importing NIXL through it (and the actor and demo modules that start
+    agents) leaves the variable as the environment had it."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "tessera_ray"
+    writes = re.compile(r"environ[^\n]*UCX_MODULES|UCX_MODULES[^\n]*=")
+    offenders = [
+        str(p.relative_to(package.parent))
+        for p in package.rglob("*.py")
+        if writes.search(p.read_text())
+    ]
+    assert offenders == []
+    code = (
+        "import os\n"
+        "from tessera_ray.transport.nixl import import_nixl\n"
+        "import tessera_ray.actors.pool_actor, tessera_ray.demo.fleet\n"
+        "import_nixl()\n"
+        "print(repr(os.environ.get('UCX_MODULES')), flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    # Only stdout is read: where libibverbs crashes UCX at exit the return code may not be 0.
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.stdout.strip().splitlines()[-1] == "None", run.stderr[-2000:]
