@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import threading
 from typing import Any
 
 import torch
@@ -22,7 +23,10 @@ import torch
 __all__ = ["flashmla_importable", "flashinfer_importable", "run_flashmla", "run_flashinfer"]
 
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's documented starting size for the MLA wrapper
-_workspaces: dict[torch.device, torch.Tensor] = {}
+# One FlashInfer wrapper per device, reused: building one allocates its device workspace use
+# and a pinned host buffer. Its plan/run pair is stateful, hence one lock per wrapper.
+_wrappers: dict[torch.device, tuple[Any, threading.Lock]] = {}
+_wrappers_lock = threading.Lock()
 
 
 def _import(name: str) -> Any | None:
@@ -43,10 +47,17 @@ def flashinfer_importable() -> bool:
 
 
 def _empty_rows_to_convention(
-    out: torch.Tensor, lse: torch.Tensor, cache_seqlens: torch.Tensor
+    out: torch.Tensor, lse: torch.Tensor, cache_seqlens: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows that see no key: ``out = 0``, ``lse = -inf`` whatever the kernel wrote there."""
+    """Rows that see no key: ``out = 0``, ``lse = -inf`` whatever the kernel wrote there. Under
+    ``causal``, row ``i`` of ``s_q`` sees keys up to ``seqlen - s_q + i``: with fewer keys than
+    queries the first rows see none, which not every kernel masks."""
+    batch, _, s_q = lse.shape
     no_key = torch.isposinf(lse) | torch.isneginf(lse) | torch.isnan(lse)
+    if causal:
+        rows = torch.arange(s_q, device=lse.device)
+        last = cache_seqlens.view(-1, 1).to(rows.dtype) - s_q + rows  # [batch, s_q]
+        no_key = no_key | (last < 0).view(batch, 1, s_q)
     no_key = no_key | (cache_seqlens == 0).view(-1, 1, 1)
     lse = lse.masked_fill(no_key, float("-inf"))
     out = out.masked_fill(no_key.transpose(1, 2).unsqueeze(-1), 0.0)
@@ -79,7 +90,17 @@ def run_flashmla(
         softmax_scale=softmax_scale,
         causal=causal,
     )
-    return _empty_rows_to_convention(out, lse.float(), cache_seqlens)
+    return _empty_rows_to_convention(out, lse.float(), cache_seqlens, causal)
+
+
+def _flashinfer_wrapper(mla: Any, device: torch.device) -> tuple[Any, threading.Lock]:
+    with _wrappers_lock:
+        entry = _wrappers.get(device)
+        if entry is None:
+            workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            entry = (mla.BatchMLAPagedAttentionWrapper(workspace), threading.Lock())
+            _wrappers[device] = entry
+        return entry
 
 
 def run_flashinfer(
@@ -98,10 +119,6 @@ def run_flashinfer(
     batch, s_q, h_q, head_dim = q.shape
     page = k_cache.shape[1]
     rope_dim = head_dim - head_dim_v
-    workspace = _workspaces.get(device)
-    if workspace is None:
-        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        _workspaces[device] = workspace
     lens = cache_seqlens.to(torch.int32)
     pages_per_seq = (lens + page - 1) // page
     kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
@@ -109,34 +126,35 @@ def run_flashinfer(
     cols = torch.arange(block_table.shape[1], device=device)
     kv_indices = block_table[cols.unsqueeze(0) < pages_per_seq.unsqueeze(1)].to(torch.int32)
     qo_indptr = torch.arange(0, (batch + 1) * s_q, s_q, dtype=torch.int32, device=device)
-    wrapper = mla.BatchMLAPagedAttentionWrapper(workspace)
-    wrapper.plan(
-        qo_indptr,
-        kv_indptr,
-        kv_indices,
-        lens,
-        h_q,
-        head_dim_v,
-        rope_dim,
-        page,
-        causal,
-        softmax_scale,
-        q.dtype,
-        k_cache.dtype,
-    )
+    wrapper, lock = _flashinfer_wrapper(mla, device)
     flat_q = q.reshape(batch * s_q, h_q, head_dim)
     run_kwargs: dict[str, Any] = {"return_lse": True}
     natural = "return_lse_base_on_e" in inspect.signature(wrapper.run).parameters
     if natural:
         run_kwargs["return_lse_base_on_e"] = True
-    out, lse = wrapper.run(
-        flat_q[..., :head_dim_v],
-        flat_q[..., head_dim_v:],
-        k_cache[:, :, 0, :head_dim_v],
-        k_cache[:, :, 0, head_dim_v:],
-        **run_kwargs,
-    )
+    with lock:
+        wrapper.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            lens,
+            h_q,
+            head_dim_v,
+            rope_dim,
+            page,
+            causal,
+            softmax_scale,
+            q.dtype,
+            k_cache.dtype,
+        )
+        out, lse = wrapper.run(
+            flat_q[..., :head_dim_v],
+            flat_q[..., head_dim_v:],
+            k_cache[:, :, 0, :head_dim_v],
+            k_cache[:, :, 0, head_dim_v:],
+            **run_kwargs,
+        )
     lse = lse.float() if natural else lse.float() * math.log(2.0)
     out = out.reshape(batch, s_q, h_q, head_dim_v)
     lse = lse.reshape(batch, s_q, h_q).transpose(1, 2).contiguous()
-    return _empty_rows_to_convention(out, lse, cache_seqlens)
+    return _empty_rows_to_convention(out, lse, cache_seqlens, causal)
