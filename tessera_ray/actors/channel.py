@@ -2,10 +2,10 @@
 
 Why: a Ray actor call costs milliseconds even when the method does nothing, as long as the
 NIXL READ of the pages it pins (docs/measured-choices.md). The pin sits on every fetch's
-critical path, so the owner also serves
-it on a plain TCP connection, kept open per pair of pools: one small frame each way, handled on
-the owner actor's own event loop (the same code as its Ray ``pin`` method, no thread to lock
-against). Ray stays the way to find the channel and the fallback when it is down.
+critical path, so the owner also serves it on a plain TCP connection, kept open per pair of
+pools: one small frame each way, handled on the owner actor's own event loop (the same code as
+its Ray ``pin`` method, no thread to lock against). Ray stays the way to find the channel and
+the fallback when it is down.
 
 Both ends are asyncio protocols, not streams, and each side takes the shortest way through its
 loop. The server calls a handler in the callback that read the request; a handler that returns

@@ -247,15 +247,21 @@ class TesseraClient:
     def shard(self, i: int) -> Any:
         return ray.get_actor(_shard_name(i), namespace=self.config.ray_namespace)
 
-    def pool_on(self, node_id: str) -> str:
+    def node_pool(self, node_id: str) -> str | None:
+        """The (first) pool on node ``node_id``, ``None`` when the node has none."""
         prefix = f"{POOL_PREFIX}{node_id[:12]}-"
-        return next(n for n in self.pools if n.startswith(prefix))
+        return next((n for n in self.pools if n.startswith(prefix)), None)
+
+    def pool_on(self, node_id: str) -> str:
+        pool = self.node_pool(node_id)
+        if pool is None:
+            raise PoolUnavailableError(f"no tessera-ray pool on node {node_id}")
+        return pool
 
     def local_pool(self) -> str:
         """A pool on the node this process runs on (reads landing there stay local later), or
         the first pool when this node has none."""
-        prefix = f"{POOL_PREFIX}{ray.get_runtime_context().get_node_id()[:12]}-"
-        return next((n for n in self.pools if n.startswith(prefix)), self.pools[0])
+        return self.node_pool(ray.get_runtime_context().get_node_id()) or self.pools[0]
 
     # ------------------------------------------------------------------ data path
     #

@@ -34,7 +34,7 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import RequestRouter
 
-from tessera_ray.actors.client import POOL_PREFIX, TesseraClient
+from tessera_ray.actors.client import TesseraClient
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import TierConfigError
 from tessera_ray.metrics import Metrics, get_metrics
@@ -165,11 +165,6 @@ class TesseraRequestRouter(RequestRouter):
         fingerprint = key_fingerprint(client.layout.fingerprint, self._model_name)
         return namespace, prompt_keys(namespace, fingerprint, tokens, client.layout.block_tokens)
 
-    @staticmethod
-    def _pool_of(client: TesseraClient, node_id: str) -> str | None:
-        prefix = f"{POOL_PREFIX}{node_id[:12]}-"
-        return next((p for p in client.pools if p.startswith(prefix)), None)
-
     def _queue_len(self, replica: RunningReplica) -> int:
         queue = self._replica_queue_len_cache.get(replica.replica_id)
         return int(queue) if queue is not None else 0
@@ -207,7 +202,7 @@ class TesseraRequestRouter(RequestRouter):
         states = [
             ReplicaState(
                 str(r.replica_id),
-                self._pool_of(client, r.node_id) if client is not None else None,
+                client.node_pool(r.node_id) if client is not None else None,
                 self._queue_len(r),
             )
             for r in candidate_replicas

@@ -14,7 +14,7 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve._private.request_router.common import PendingRequest
 
-from tessera_ray.actors.client import POOL_PREFIX
+from tessera_ray.actors.client import POOL_PREFIX, TesseraClient
 from tessera_ray.actors.directory import LookupResult, Replica, Tier
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import DirectoryUnavailableError, TierConfigError
@@ -49,6 +49,8 @@ class _FakeTier:
         self.held: dict[TokenKey, list[str]] = {}
         self.down = False
         self.lookups = 0
+
+    node_pool = TesseraClient.node_pool  # the client's own node-to-pool rule
 
     async def alookup(self, namespace: str, keys: list[TokenKey], *, strict: bool = False) -> Any:
         self.lookups += 1
