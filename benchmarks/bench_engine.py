@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -59,9 +58,14 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 # libibverbs (this single-host benchmark has no use for RDMA); an operator's choice stays.
 os.environ.setdefault("UCX_MODULES", "^ib")
 
-from common import NOT_AVAILABLE, Row, parse_args, write_result  # noqa: E402
+from common import (  # noqa: E402
+    NOT_AVAILABLE,
+    Row,
+    needs_engine_venv,
+    parse_args,
+    write_result,
+)
 
-ENGINE_PYTHON = ROOT / ".venv-engine" / "bin" / "python"
 TIER_BLOCK = 64
 TAIL = 5
 ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
@@ -91,10 +95,7 @@ def _unavailable(args: Any, reason: str) -> None:
 
 def main() -> None:
     args = parse_args("engine")
-    if importlib.util.find_spec("vllm") is None:
-        if ENGINE_PYTHON.exists() and not os.environ.get("TESSERA_BENCH_ENGINE_VENV"):
-            os.environ["TESSERA_BENCH_ENGINE_VENV"] = "1"  # once: never loop
-            os.execv(str(ENGINE_PYTHON), [str(ENGINE_PYTHON), *sys.argv])
+    if not needs_engine_venv():
         _unavailable(args, "vLLM's CPU build is not installed (make test-engine creates it)")
         return
     import _peers
@@ -108,8 +109,8 @@ def main() -> None:
     from tessera_ray.actors.client import TesseraClient
     from tessera_ray.actors.config import PoolServiceConfig, TierConfig
     from tessera_ray.layout import MLAConfig, build_layout
+    from tessera_ray.models.hf_tiny import write_tiny_mla
     from tests.engine._harness import run_engine
-    from tests.engine._models import write_tiny_mla
 
     lengths = [1024, 4096] if args.quick else [1024, 4096, 8192]
     repeat = 3 if args.quick else 5
@@ -294,7 +295,7 @@ def _gqa_rows(
     from tessera_ray.actors.client import TesseraClient
     from tessera_ray.actors.config import PoolServiceConfig, TierConfig
     from tessera_ray.layout import FullAttentionConfig, build_layout
-    from tests.engine._models import GQA_HEADS, GQA_KV_HEADS, write_tiny_gqa
+    from tessera_ray.models.hf_tiny import GQA_HEADS, GQA_KV_HEADS, write_tiny_gqa
 
     model = write_tiny_gqa(work / "tiny-gqa-4", 4, max_positions=16384)
     geometry = FullAttentionConfig(

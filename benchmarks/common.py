@@ -40,9 +40,13 @@ __all__ = [
     "time_median",
     "RESULTS_DIR",
     "NOT_AVAILABLE",
+    "ENGINE_PYTHON",
+    "needs_engine_venv",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ENGINE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-engine" / "bin" / "python"
+"""vLLM's CPU build lives in its own virtualenv (``make test-engine`` creates it)."""
 NOT_AVAILABLE = "not available: "
 
 
@@ -197,3 +201,16 @@ def start_local_ray(
         object_store_memory=object_store_bytes,
         runtime_env={"env_vars": env},
     )
+
+
+def needs_engine_venv() -> bool:
+    """For a benchmark of real vLLM engines: ``True`` where vLLM imports; otherwise re-run this
+    script in ``.venv-engine`` (once: never loops) or, where there is none, ``False``."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return True
+    if ENGINE_PYTHON.exists() and not os.environ.get("TESSERA_BENCH_ENGINE_VENV"):
+        os.environ["TESSERA_BENCH_ENGINE_VENV"] = "1"
+        os.execv(str(ENGINE_PYTHON), [str(ENGINE_PYTHON), *sys.argv])
+    return False

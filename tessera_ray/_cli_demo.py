@@ -4,9 +4,37 @@ imported lazily, so other subcommands stay fast)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 __all__ = ["add_demo_command"]
+
+
+def _cmd_engine_demo(ns: argparse.Namespace, config: object) -> int:
+    """The fleet on real vLLM engines behind Ray Serve LLM (``--engine vllm``)."""
+    from tessera_ray.demo.endpoint import plot_rounds, render_rounds, rounds_from_json
+    from tessera_ray.demo.serve_demo import EngineDemoConfig, run_engine_demo
+    from tessera_ray.demo.workload import DemoConfig
+
+    assert isinstance(config, DemoConfig)
+    report = run_engine_demo(
+        EngineDemoConfig(
+            fleet=config, model_kind=ns.model_kind, num_replicas=ns.replicas, device=ns.device
+        )
+    )
+    print(
+        f"{report['model']}: {report['replicas']} vLLM replicas behind Ray Serve LLM "
+        f"({report['router']} router), up in {report['start_s']:.0f} s"
+    )
+    rounds = rounds_from_json(report)
+    print(render_rounds(rounds))
+    if ns.report is not None:
+        Path(ns.report).write_text(json.dumps(report, indent=1))
+        print(f"report: {ns.report}")
+    if ns.plot is not None:
+        plot_rounds(rounds, Path(ns.plot))
+        print(f"plot: {ns.plot}")
+    return 0
 
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
@@ -23,6 +51,8 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
         seed=ns.seed,
         ray_namespace=ns.ray_namespace,
     )
+    if ns.engine == "vllm":
+        return _cmd_engine_demo(ns, config)
     report = run_demo(config, progress=True if ns.progress else None)
     print(render_summary(report))
     if ns.report is not None:
@@ -52,4 +82,18 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     demo.add_argument("--report", default=None, help="write the JSON report here")
     demo.add_argument("--plot", default=None, help="write the PNG plot here")
     demo.add_argument("--progress", action="store_true", help="progress bar even off a TTY")
+    demo.add_argument(
+        "--engine",
+        choices=("tiny", "vllm"),
+        default="tiny",
+        help="tiny: the project's own model in this process (default); vllm: real vLLM engines "
+        "behind Ray Serve LLM's OpenAI endpoint (needs vllm, pyarrow; see make demo-engine)",
+    )
+    demo.add_argument(
+        "--model-kind", choices=("gqa", "mla"), default="gqa", help="--engine vllm: the model"
+    )
+    demo.add_argument("--replicas", type=int, default=2, help="--engine vllm: engine replicas")
+    demo.add_argument(
+        "--device", choices=("cpu", "gpu"), default="cpu", help="--engine vllm: where engines run"
+    )
     demo.set_defaults(handler=_cmd_demo)

@@ -4,10 +4,13 @@ lazily, so the other subcommands stay fast and Ray-free)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["add_status_command", "render_status"]
+__all__ = ["add_status_command", "render_status", "status_json"]
 
 
 def _mib(n: int) -> str:
@@ -68,12 +71,31 @@ def render_status(pools: Sequence[object], shards: Sequence[object]) -> str:
     return "\n".join(lines)
 
 
+def _component(c: object) -> dict[str, Any]:
+    if not dataclasses.is_dataclass(c) or isinstance(c, type):
+        return {"down": str(c)}
+    out = dataclasses.asdict(c)
+    for name, value in out.items():  # per-tier counts: keyed by the tier's name
+        if isinstance(value, dict):
+            out[name] = {getattr(k, "name", str(k)).lower(): v for k, v in value.items()}
+    return out
+
+
+def status_json(pools: Sequence[object], shards: Sequence[object]) -> str:
+    """One ``status`` snapshot as JSON: every field of each pool's and shard's status, or
+    ``{"down": reason}`` for a component that did not answer."""
+    return json.dumps(
+        {"pools": [_component(p) for p in pools], "shards": list(map(_component, shards))}
+    )
+
+
 def _cmd_status(ns: argparse.Namespace) -> int:
     from tessera_ray.actors.client import TesseraClient
 
     client = TesseraClient.connect(ns.ray_namespace, address=ns.address)
+    render = status_json if ns.json else render_status
     while True:
-        print(render_status(*client.status()), flush=True)
+        print(render(*client.status()), flush=True)
         if ns.watch is None:
             return 0
         try:
@@ -96,4 +118,5 @@ def add_status_command(sub: argparse._SubParsersAction) -> None:  # type: ignore
         metavar="SECONDS",
         help="refresh every SECONDS (default 2) until interrupted",
     )
+    status.add_argument("--json", action="store_true", help="one JSON object per snapshot")
     status.set_defaults(handler=_cmd_status)

@@ -61,7 +61,12 @@ __all__ = [
     "prompt_keys",
     "check_paged_layout",
     "check_block_sizes",
+    "TIER_TOKENS_PARAM",
 ]
+
+TIER_TOKENS_PARAM = "tessera_tier_tokens"
+"""The key of a finished request's ``kv_transfer_params`` (the OpenAI response's field of that
+name) that counts the prompt tokens the tier supplied to it."""
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +233,8 @@ class _Tracked:
     load: BlockLoad | None = None
     loaded: TokenRows | None = None
     """Where the last load wrote, to map a failed engine block back to a tier block."""
+    tier_tokens: int = 0
+    """Prompt tokens the last load took from the tier, less any that failed to load."""
 
 
 _RELOOK_S = 0.01  # between lookups of a request waiting on this engine's own stores
@@ -242,16 +249,27 @@ def key_fingerprint(layout_fingerprint: str, model_name: str, extra: Any = None)
 
 
 def prompt_keys(
-    namespace: str, fingerprint: str, token_ids: Sequence[int], block_tokens: int
+    layout_fingerprint: str,
+    model_name: str,
+    token_ids: Sequence[int],
+    block_tokens: int,
+    cache_salt: str | None = None,
+    base_namespace: str = "vllm",
 ) -> list[TokenKey]:
     """The chained keys of the full tier blocks of a plain-text prompt, as the connector's
-    scheduler computes them (for a router that looks a prompt up before any engine sees it)."""
+    scheduler computes them (for a router that looks a prompt up before any engine sees it):
+    under the request's tenant namespace, and with vLLM's extra hash key of a salted request
+    on its first block (``("cache_salt", salt)``, what ``generate_block_hash_extra_keys``
+    gives a block that starts at position 0)."""
+    namespace = tenant_namespace(base_namespace, cache_salt)
+    plain = key_fingerprint(layout_fingerprint, model_name)
     keys: list[TokenKey] = []
     parent: TokenKey | None = None
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        parent = token_key(
-            namespace, fingerprint, parent, list(token_ids[start : start + block_tokens])
-        )
+        extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+        fingerprint = key_fingerprint(layout_fingerprint, model_name, extra) if extra else plain
+        block = list(token_ids[start : start + block_tokens])
+        parent = token_key(namespace, fingerprint, parent, block)
         keys.append(parent)
     return keys
 
@@ -497,6 +515,7 @@ class SchedulerPlanner:
         )
         tracked.known_blocks = max(tracked.known_blocks, match.first + n)
         tracked.loaded = rows
+        tracked.tier_tokens = num_external_tokens
 
     def build(self, new: Sequence[NewScheduled], cached: Sequence[CachedScheduled]) -> StepPlan:
         """This step's plan: pending loads, and every tier block that becomes full this step."""
@@ -565,9 +584,14 @@ class SchedulerPlanner:
             position = tracked.loaded.first_failed_position(block_ids, self.engine_tokens)
             if position is not None:
                 tracked.known_blocks = min(tracked.known_blocks, position // self.tier_tokens)
+                tracked.tier_tokens = max(0, position - tracked.loaded.start)
                 tracked.loaded = None
 
-    def finished(self, req_id: str) -> None:
+    def finished(self, req_id: str) -> int:
+        """Forget a finished request; how many of its prompt tokens came from the tier."""
         tracked = self._requests.pop(req_id, None)
-        if tracked is not None and tracked.lookup is not None:
+        if tracked is None:
+            return 0
+        if tracked.lookup is not None:
             tracked.lookup.future.cancel()
+        return tracked.tier_tokens

@@ -35,6 +35,7 @@ from tessera_ray.layout import (
 from tessera_ray.serve._connector_backends import planes_for
 from tessera_ray.serve._connector_config import TesseraConnectorConfig
 from tessera_ray.serve._connector_plan import (
+    TIER_TOKENS_PARAM,
     CachedScheduled,
     NewScheduled,
     SchedulerPlanner,
@@ -365,9 +366,11 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # A save copies its rows out of vLLM's cache within the step that completes them (the
-        # tier store runs later from that copy), so vLLM may free the blocks at once.
-        self._planner().finished(request.request_id)
-        return False, None
+        # tier store runs later from that copy), so vLLM may free the blocks at once. The
+        # params reach the client (the OpenAI response's ``kv_transfer_params``): how much of
+        # this prompt the tier supplied, beside vLLM's own count of cached tokens.
+        tier_tokens = self._planner().finished(request.request_id)
+        return False, {TIER_TOKENS_PARAM: tier_tokens}
 
     # ---------------------------------------------------------------- worker side
 

@@ -11,6 +11,9 @@ vLLM loads it by module path::
         "kv_connector_extra_config": {"backend": "ray", "namespace": "my-app"},
     }
 
+Each finished request's ``kv_transfer_params`` (returned in vLLM's OpenAI responses) carries
+``{TIER_TOKENS_PARAM: n}``: the prompt tokens the tier supplied to it.
+
 ``kv_connector_extra_config`` is parsed into :class:`TesseraConnectorConfig` (unknown keys and
 wrong types are refused). This module imports without vLLM: ``TesseraConnector`` and
 ``TesseraConnectorMetadata`` are loaded on first access (only vLLM asks for them), so the rest of
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from tessera_ray.serve._connector_config import BACKEND_KINDS, TesseraConnectorConfig
 from tessera_ray.serve._connector_plan import (
+    TIER_TOKENS_PARAM,
     BlockLoad,
     BlockSave,
     StepPlan,
@@ -44,6 +48,7 @@ __all__ = [
     "BlockSave",
     "TokenRows",
     "tenant_namespace",
+    "TIER_TOKENS_PARAM",
 ]
 
 _NEEDS_VLLM = ("TesseraConnector", "TesseraConnectorMetadata")

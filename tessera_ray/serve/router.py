@@ -38,7 +38,7 @@ from tessera_ray.actors.client import TesseraClient
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import TierConfigError
 from tessera_ray.metrics import Metrics, get_metrics
-from tessera_ray.serve._connector_plan import key_fingerprint, prompt_keys, tenant_namespace
+from tessera_ray.serve._connector_plan import prompt_keys, tenant_namespace
 from tessera_ray.serve.routing import (
     ReplicaState,
     RouteChoice,
@@ -162,8 +162,11 @@ class TesseraRequestRouter(RequestRouter):
         namespace = tenant_namespace(self._namespace, salt)
         if not tokens:
             return namespace, []
-        fingerprint = key_fingerprint(client.layout.fingerprint, self._model_name)
-        return namespace, prompt_keys(namespace, fingerprint, tokens, client.layout.block_tokens)
+        layout = client.layout
+        keys = prompt_keys(
+            layout.fingerprint, self._model_name, tokens, layout.block_tokens, salt, self._namespace
+        )
+        return namespace, keys
 
     def _queue_len(self, replica: RunningReplica) -> int:
         queue = self._replica_queue_len_cache.get(replica.replica_id)

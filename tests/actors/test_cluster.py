@@ -363,13 +363,12 @@ def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
 
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from tessera_ray.serve._connector_plan import key_fingerprint, prompt_keys
+    from tessera_ray.serve._connector_plan import prompt_keys
     from tessera_ray.serve.router import TesseraRequestRouter
     from tessera_ray.serve.routing import RouteReason
 
     tokens = list(range(5, 5 + 3 * LAYOUT.block_tokens + 9))
-    fingerprint = key_fingerprint(LAYOUT.fingerprint, "served")
-    keys = prompt_keys("route-ns", fingerprint, tokens, LAYOUT.block_tokens)
+    keys = prompt_keys(LAYOUT.fingerprint, "served", tokens, LAYOUT.block_tokens, None, "route-ns")
     tier.store("route-ns", keys, blocks(3, 9), pool=tier.pool_on(tessera_cluster.node_ids[2]))
     router = TesseraRequestRouter(
         deployment_id=DeploymentID(name="llm", app_name="app"),

@@ -68,7 +68,12 @@ def engine_block_sizes(model: Path, asked: tuple[int, ...]) -> dict[int, int]:
 def ray_cluster() -> Iterator[None]:
     """A Ray head on 127.0.0.1, started as the README says."""
     env_before = os.environ.get("RAY_ADDRESS")
-    run("ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--disable-usage-stats")
+    # Logical CPUs, not cores: each Serve LLM replica and its ingress claim one (the engines
+    # run in processes of their own whatever Ray counts).
+    run(
+        "ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--disable-usage-stats",
+        "--num-cpus", "8",
+    )  # fmt: skip
     try:
         yield
     finally:

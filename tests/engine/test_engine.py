@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
+from tessera_ray.models.hf_tiny import tier_geometry, write_tiny_mla
 from tests.engine._harness import check_eviction_run, same
-from tests.engine._models import tier_geometry, write_tiny_mla
 from tests.engine.conftest import EngineRun, engine_block_sizes, run, run_engine
 
 TIER = 64  # the tier block of MLA (FlashMLA's page) and of full attention

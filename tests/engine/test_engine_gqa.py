@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from tessera_ray.models.hf_tiny import write_tiny_gqa
 from tests.engine._harness import check_eviction_run, same
-from tests.engine._models import write_tiny_gqa
 from tests.engine.conftest import EngineRun, run, run_engine
 from tests.engine.test_engine import EVICT, PARTIAL, PROMPTS, TIER, _full
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import ray
 
-from tessera_ray._cli_status import render_status
+from tessera_ray._cli_status import render_status, status_json
 from tessera_ray.actors.client import TesseraClient
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig
 from tessera_ray.cli import main
@@ -45,11 +47,18 @@ def test_status_lists_every_pool_and_shard(
         row = next(line for line in out.splitlines() if line.startswith(tier.pools[0]))
         # 2 zero blocks x 2 zero pages: 4 seals onto 1 page, ratio 4.00, 1 of 8 pages in use.
         assert "1/8" in row and "4.00" in row and row.split()[-1] == "ok"
+        assert main(["status", "--json", "--ray-namespace", NAMESPACE]) == 0
+        snapshot = json.loads(capsys.readouterr().out)
+        first = next(p for p in snapshot["pools"] if p["name"] == tier.pools[0])
+        assert first["blocks_in_memory"] == 2 and first["pages_used"] == {"memory": 1}
+        assert sorted(s["shard"] for s in snapshot["shards"]) == [0, 1, 2]
         ray.kill(tier.pool(tier.pools[2]), no_restart=True)
         # A client that knew the pool reports it down; a fresh `status` no longer finds it by
         # name (killed actors leave Ray's name table) and counts only what is alive.
         text = render_status(*tier.status())
         assert "pools: 2 up, 1 down" in text and f"{tier.pools[2]}: down" in text
+        down = json.loads(status_json(*tier.status()))["pools"]
+        assert sum("down" in p for p in down) == 1
         assert main(["status", "--ray-namespace", NAMESPACE]) == 0
         out = capsys.readouterr().out
         assert "pools: 2 up" in out and tier.pools[2] not in out

@@ -209,6 +209,27 @@ def test_planner_loads_after_a_local_hit_that_ends_inside_a_tier_block() -> None
     assert min(load.rows.cache_rows(16)) == 80
 
 
+def test_planner_reports_the_prompt_tokens_the_tier_supplied() -> None:
+    """What a finished request tells its client (its ``kv_transfer_params``): the tokens its
+    load took from the tier; fewer when part of the load failed (vLLM recomputes from the
+    first failed block); none for a request that computed its prompt or is unknown."""
+    tier, tokens, ids = _Tier(), list(range(1, 331)), list(range(21))
+    writer = _planner(tier, 16)
+    writer.matched_tokens(_Request("a", tokens), 0)
+    _store_saves(tier, writer.build([NewScheduled("a", ids, 0, 330)], []))
+    assert writer.finished("a") == 0
+    reader = _planner(tier, 16)
+    for name in ("b", "c"):
+        request = _Request(name, tokens)
+        assert reader.matched_tokens(request, 0) == 320
+        reader.after_alloc(request, ids, 320)
+        reader.build([NewScheduled(name, ids, 320, 10)], [])
+    assert reader.finished("b") == 320
+    reader.load_failed({ids[10]})  # engine block 10: positions 160 to 175
+    assert reader.finished("c") == 160
+    assert reader.finished("never-seen") == 0
+
+
 @pytest.mark.parametrize("can_load", [True, False])
 def test_planner_does_not_store_again_what_vllm_already_holds(can_load: bool) -> None:
     """A prompt whose first 150 tokens vLLM holds in its own prefix cache (stored in the tier

@@ -21,9 +21,7 @@ from tessera_ray.errors import DirectoryUnavailableError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.serve._connector_plan import (
     SchedulerPlanner,
-    key_fingerprint,
     prompt_keys,
-    tenant_namespace,
 )
 from tessera_ray.serve.router import TesseraRequestRouter, request_prompt
 from tessera_ray.serve.routing import RouteReason
@@ -91,8 +89,14 @@ def _blocks(n: int) -> np.ndarray:
 
 
 def _keys(tokens: list[int], salt: str | None = None) -> list[TokenKey]:
-    namespace = tenant_namespace("vllm", salt)
-    return prompt_keys(namespace, key_fingerprint(LAYOUT.fingerprint, "m"), tokens, 64)
+    return prompt_keys(LAYOUT.fingerprint, "m", tokens, 64, salt)
+
+
+def _salt_extra_keys(request: Any, start: int, end: int, mm_index: int) -> tuple[Any, int]:
+    """vLLM's extra keys of a plain-text request (tests/vllm checks the router against vLLM's
+    own function): its salt on the block at position 0."""
+    salt = request.cache_salt
+    return ((("cache_salt", salt),) if start == 0 and salt else None), mm_index
 
 
 def test_router_keys_are_the_connectors_keys() -> None:
@@ -100,7 +104,7 @@ def test_router_keys_are_the_connectors_keys() -> None:
     tokens = list(range(7, 7 + 200))
     planner = SchedulerPlanner(
         SimpleNamespace(), LAYOUT, namespace="vllm", model_name="m", block_tokens=64,  # type: ignore[arg-type]
-        can_load=True, can_save=True,
+        can_load=True, can_save=True, extra_keys=_salt_extra_keys,
     )  # fmt: skip
     for salt in (None, "tenant-a"):
         request = SimpleNamespace(request_id=f"r-{salt}", all_token_ids=tokens, cache_salt=salt)

@@ -15,6 +15,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from tessera_ray.errors import LayoutError, TierConfigError
+from tessera_ray.serve._connector_plan import prompt_keys
 from tessera_ray.serve.connector import (
     TesseraConnector,
     TesseraConnectorConfig,
@@ -108,6 +109,26 @@ def test_matched_tokens_are_the_stored_full_block_prefix(
     # Tokens vLLM already has locally are not asked for again.
     assert c.get_num_new_matched_tokens(other.request("E", [*stored[:192], 9]), 64) == (128, False)
     assert c.get_num_new_matched_tokens(other.request("F", prompt(300, 3)), 0) == (0, False)
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_a_routers_keys_are_the_keys_the_connector_saves(
+    model_dir: Path, extra: dict[str, Any], salt: str | None
+) -> None:
+    """A request router computes a prompt's keys before any engine sees it (``prompt_keys``):
+    they are the keys vLLM's connector saves under, vLLM's own extra hash keys included (a
+    salted request's first block carries its salt)."""
+    tokens = prompt(200)
+    engine = Engine(vllm_config(model_dir, extra))
+    engine.scheduler.add_request(engine.request("A", tokens, cache_salt=salt))
+    meta = engine.step().output.kv_connector_metadata
+    assert isinstance(meta, TesseraConnectorMetadata)
+    saved = [k for s in meta.plan.saves for k in s.token_keys]
+    planner = engine.connector.planner
+    keys = prompt_keys(
+        planner.layout.fingerprint, extra["model_name"], tokens, BLOCK, salt, planner.namespace
+    )
+    assert len(saved) == 3 and saved == keys
 
 
 def test_another_cache_salt_matches_nothing(model_dir: Path, extra: dict[str, Any]) -> None:

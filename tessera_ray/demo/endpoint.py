@@ -1,0 +1,192 @@
+"""The agent fleet through an OpenAI-compatible endpoint (a Ray Serve LLM app over the tier):
+every turn of :class:`~tessera_ray.demo.workload.Fleet` sent as a token-id prompt, round after
+round, the agents of a round at once. No Ray here: the endpoint may run anywhere.
+
+Each turn asks for one token, so its wall time is its first-token time; what it computed and
+what the tier supplied come from the response itself (``usage``'s cached prompt tokens and
+``kv_transfer_params``' tier tokens), not from estimates.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera_ray.demo.workload import DemoConfig, Fleet, Request
+from tessera_ray.serve._connector_plan import TIER_TOKENS_PARAM
+
+__all__ = [
+    "TurnResult",
+    "RoundSummary",
+    "run_fleet",
+    "summarize",
+    "render_rounds",
+    "as_json",
+    "rounds_from_json",
+    "plot_rounds",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """One agent turn as the endpoint answered it."""
+
+    index: int
+    round: int
+    agent: int
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens not computed: vLLM's own prefix cache and the tier together."""
+    tier_tokens: int
+    """Of those, the ones the tier supplied."""
+    first_token_s: float
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RoundSummary:
+    round: int
+    requests: int
+    prompt_tokens: int
+    computed_tokens: int
+    tier_tokens: int
+    first_token_p50_s: float
+    first_token_p99_s: float
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _turn(client: Any, model: str, request: Request, salt: str | None) -> TurnResult:
+    extra: dict[str, Any] = {"cache_salt": salt} if salt else {}
+    t0 = time.perf_counter()
+    r = client.completions.create(
+        model=model,
+        prompt=request.tokens.tolist(),
+        max_tokens=1,
+        temperature=0.0,
+        extra_body=extra,
+    )
+    elapsed = time.perf_counter() - t0
+    details = r.usage.prompt_tokens_details
+    params = getattr(r, "kv_transfer_params", None) or {}
+    return TurnResult(
+        index=request.index,
+        round=request.round,
+        agent=request.agent,
+        prompt_tokens=r.usage.prompt_tokens,
+        cached_tokens=(details.cached_tokens or 0) if details is not None else 0,
+        tier_tokens=int(params.get(TIER_TOKENS_PARAM, 0)),
+        first_token_s=elapsed,
+    )
+
+
+def run_fleet(
+    client: Any,
+    model: str,
+    config: DemoConfig,
+    *,
+    vocab_size: int,
+    concurrency: int = 4,
+    salt: str | None = None,
+) -> list[TurnResult]:
+    """Every turn of the fleet ``config`` describes, through ``client`` (an ``openai.OpenAI``).
+    Rounds run in order (a conversation grows by one question a round); the turns of a round
+    run ``concurrency`` at a time. ``salt``: the ``cache_salt`` of every turn (a fresh one makes
+    a run independent of what earlier runs left in the tier and in vLLM's caches)."""
+    # Block size only shapes the prompts (64-token blocks of the tier); pools are the router's.
+    fleet = Fleet(config, vocab_size=vocab_size, block_tokens=64, num_pools=1)
+    requests = fleet.requests()
+    out: list[TurnResult] = []
+    with ThreadPoolExecutor(concurrency) as pool:
+        for r in range(config.num_rounds):
+            turns = [q for q in requests if q.round == r]
+            out += pool.map(lambda q: _turn(client, model, q, salt), turns)
+    return out
+
+
+def summarize(results: Sequence[TurnResult]) -> list[RoundSummary]:
+    rounds = sorted({r.round for r in results})
+    out = []
+    for n in rounds:
+        these = [r for r in results if r.round == n]
+        times = [r.first_token_s for r in these]
+        out.append(
+            RoundSummary(
+                round=n,
+                requests=len(these),
+                prompt_tokens=sum(r.prompt_tokens for r in these),
+                computed_tokens=sum(r.computed_tokens for r in these),
+                tier_tokens=sum(r.tier_tokens for r in these),
+                first_token_p50_s=statistics.median(times),
+                first_token_p99_s=_quantile(times, 0.99),
+            )
+        )
+    return out
+
+
+def render_rounds(rounds: Sequence[RoundSummary]) -> str:
+    """A table of the rounds: tokens asked, computed and supplied by the tier, first-token
+    times."""
+    header = f"{'round':>5}  {'turns':>5}  {'prompt':>8}  {'computed':>8}  {'tier':>8}  "
+    header += f"{'ttft p50':>9}  {'ttft p99':>9}"
+    lines = [header]
+    for s in rounds:
+        lines.append(
+            f"{s.round:>5}  {s.requests:>5}  {s.prompt_tokens:>8,}  {s.computed_tokens:>8,}  "
+            f"{s.tier_tokens:>8,}  {s.first_token_p50_s * 1e3:>7.0f}ms  "
+            f"{s.first_token_p99_s * 1e3:>7.0f}ms"
+        )
+    return "\n".join(lines)
+
+
+def as_json(results: Sequence[TurnResult]) -> dict[str, Any]:
+    return {
+        "turns": [asdict(r) for r in results],
+        "rounds": [asdict(s) for s in summarize(results)],
+    }
+
+
+def rounds_from_json(report: dict[str, Any]) -> list[RoundSummary]:
+    return [RoundSummary(**r) for r in report["rounds"]]
+
+
+def plot_rounds(rounds: Sequence[RoundSummary], path: Path) -> None:
+    """Per round: prompt tokens computed and supplied by the tier, and first-token times."""
+    from tessera_ray._plot import pyplot
+
+    plt = pyplot()
+    fig, (tokens, times) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [s.round for s in rounds]
+    computed = [s.computed_tokens for s in rounds]
+    tier = [s.tier_tokens for s in rounds]
+    own = [s.prompt_tokens - c - t for s, c, t in zip(rounds, computed, tier, strict=True)]
+    tokens.bar(x, computed, label="computed")
+    tokens.bar(x, tier, bottom=computed, label="from the tier")
+    tokens.bar(
+        x,
+        own,
+        bottom=[c + t for c, t in zip(computed, tier, strict=True)],
+        label="vLLM's own cache",
+    )
+    tokens.set_xlabel("round")
+    tokens.set_ylabel("prompt tokens")
+    tokens.legend()
+    times.plot(x, [s.first_token_p50_s * 1e3 for s in rounds], marker="o", label="p50")
+    times.plot(x, [s.first_token_p99_s * 1e3 for s in rounds], marker="o", label="p99")
+    times.set_xlabel("round")
+    times.set_ylabel("first-token time (ms)")
+    times.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,132 @@
+"""``tessera-ray demo --engine vllm``: the agent fleet on real vLLM engines, through Ray Serve
+LLM's OpenAI endpoint, over the tier, on an embedded local Ray.
+
+It writes a tiny random-weight model (nothing downloaded), starts the tier from its
+``config.json``, deploys :func:`tessera_ray.serve.llm.build_app` with ``num_replicas``
+replicas of vLLM's CPU build (or GPU engines where there are GPUs), and runs the fleet's turns
+through the endpoint with the ``openai`` client (:mod:`tessera_ray.demo.endpoint`). Needs vLLM,
+pyarrow and openai in the environment (``make demo-engine`` builds one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera_ray.demo.endpoint import TurnResult, as_json, run_fleet
+from tessera_ray.demo.workload import DemoConfig
+
+__all__ = ["EngineDemoConfig", "run_engine_demo"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineDemoConfig:
+    fleet: DemoConfig
+    model_kind: str = "gqa"
+    """``gqa`` (Qwen2: vLLM's CPU build keeps its own prefix cache on) or ``mla``
+    (DeepSeek-V2: on a CPU without AMX vLLM turns its own prefix cache off, so every reuse is
+    the tier's)."""
+    num_layers: int = 2
+    num_replicas: int = 2
+    device: str = "cpu"
+    num_blocks: int = 2048
+    port: int = 8000
+    start_timeout_s: float = 900.0
+    router: str = "tessera"
+
+
+def _wait_ready(client: Any, model: str, timeout_s: float) -> None:
+    """Until one completion succeeds (every replica is up once Serve reports the app
+    running; the first answer proves the path end to end)."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get("llm")
+        if status is not None and status.status == "RUNNING":
+            client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=1)
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"the Serve LLM app failed to deploy: {status.message}")
+        time.sleep(1.0)  # Serve offers no blocking wait for an app started without blocking
+    raise TimeoutError(f"the Serve LLM app did not start within {timeout_s:.0f} s")
+
+
+def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[str, Any]:
+    """Run the fleet once on real engines; a JSON-ready report (turns, rounds, tier status)."""
+    import openai
+    import ray
+    from ray import serve
+
+    from tessera_ray._cli_status import status_json
+    from tessera_ray.actors.client import TesseraClient
+    from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+    from tessera_ray.layout import build_layout
+    from tessera_ray.layout.hf import config_from_hf
+    from tessera_ray.models.hf_tiny import write_tiny_gqa, write_tiny_mla
+    from tessera_ray.serve.llm import ServeLLMSettings, openai_app
+
+    with tempfile.TemporaryDirectory(prefix="tessera-engine-demo-") as tmp:
+        root = work or Path(tmp)
+        write = write_tiny_gqa if config.model_kind == "gqa" else write_tiny_mla
+        name = f"tiny-{config.model_kind}"
+        model = write(root / name, config.num_layers)
+        hf = json.loads((model / "config.json").read_text())
+        layout = build_layout(config_from_hf(hf, name=name, source=str(model)))
+        ns = config.fleet.ray_namespace
+        # Logical CPUs, not cores: each replica and the ingress claim one.
+        ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.ERROR)
+        tier = None
+        try:
+            tier = TesseraClient.start(
+                TierConfig(
+                    model=name,
+                    pool=PoolServiceConfig(num_blocks=config.num_blocks),
+                    num_shards=config.fleet.num_shards,
+                    ray_namespace=ns,
+                ),
+                layout=layout,
+            )
+            serve.start(http_options={"host": "127.0.0.1", "port": config.port})
+            settings = ServeLLMSettings(
+                model_source=str(model),
+                model_id=name,
+                num_replicas=config.num_replicas,
+                device=config.device,
+                ray_namespace=ns,
+                router=config.router,
+                engine_kwargs={"dtype": "bfloat16", "max_model_len": 4096, "enforce_eager": True},
+                env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            )
+            serve.run(openai_app(settings), name="llm", blocking=False)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{config.port}/v1",
+                api_key="unused",
+                max_retries=0,
+                timeout=600,
+            )
+            started = time.perf_counter()
+            _wait_ready(client, name, config.start_timeout_s)
+            start_s = time.perf_counter() - started
+            results: list[TurnResult] = run_fleet(
+                client, name, config.fleet, vocab_size=int(hf["vocab_size"])
+            )
+            report = as_json(results)
+            report["start_s"] = start_s
+            report["model"] = name
+            report["replicas"] = config.num_replicas
+            report["router"] = config.router
+            report["tier"] = json.loads(status_json(*tier.status()))
+            return report
+        finally:
+            serve.shutdown()  # type: ignore[no-untyped-call]
+            if tier is not None:
+                tier.stop()
+            ray.shutdown()
