@@ -114,8 +114,8 @@ $(ENGINE_STAMP): pyproject.toml
 test-engine: $(ENGINE_STAMP)
 	$(ENGINE_VENV)/bin/python -m pytest -q tests/engine tests/vllm
 
-# The agent fleet on real engines: two vLLM CPU replicas behind Ray Serve LLM's OpenAI endpoint,
-# over the tier, on an embedded local Ray (the engines' start takes minutes on two cores).
+# The agent fleet on real engines: two simulated Ray nodes on this machine, a pool and a vLLM CPU
+# replica on each, behind Ray Serve LLM's OpenAI endpoint (the engines start in about a minute).
 .PHONY: demo-engine
 demo-engine: $(ENGINE_STAMP)
 	$(ENGINE_VENV)/bin/tessera-ray demo --engine vllm --report demo_engine_report.json

@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tessera_ray._loopback import keep_ray_on_loopback
+
 __all__ = ["add_demo_command"]
 
 
@@ -19,7 +21,7 @@ def _cmd_engine_demo(ns: argparse.Namespace, config: object) -> int:
     assert isinstance(config, DemoConfig)
     report = run_engine_demo(
         EngineDemoConfig(
-            fleet=config, model_kind=ns.model_kind, num_replicas=ns.replicas, device=ns.device
+            fleet=config, model_kind=ns.model_kind, num_nodes=ns.nodes, device=ns.device
         )
     )
     print(
@@ -38,6 +40,10 @@ def _cmd_engine_demo(ns: argparse.Namespace, config: object) -> int:
 
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
+    if ns.engine == "vllm":
+        # Simulated nodes on one host: every Ray address on loopback. Ray reads this when it is
+        # imported (below), and the nodes' processes inherit it.
+        keep_ray_on_loopback()
     from tessera_ray.demo import DemoConfig, plot_report, render_summary, run_demo
 
     if ns.plot is not None:
@@ -92,7 +98,9 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     demo.add_argument(
         "--model-kind", choices=("gqa", "mla"), default="gqa", help="--engine vllm: the model"
     )
-    demo.add_argument("--replicas", type=int, default=2, help="--engine vllm: engine replicas")
+    demo.add_argument(
+        "--nodes", type=int, default=2, help="--engine vllm: simulated nodes, a replica on each"
+    )
     demo.add_argument(
         "--device", choices=("cpu", "gpu"), default="cpu", help="--engine vllm: where engines run"
     )

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -54,6 +56,7 @@ __all__ = [
     "FetchResult",
     "POOL_PREFIX",
     "DIR_PREFIX",
+    "this_node",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,35 @@ class FetchResult:
     @property
     def available(self) -> set[TokenKey]:
         return set(self.local_hits) | set(self.fetched)
+
+
+def this_node() -> str:
+    """The Ray node this process runs on. A process started under a Ray worker (vLLM's engine
+    core under a Serve replica) that joins Ray as a driver of its own is attached to a node by
+    address: the head's, where several nodes share a host. The node whose raylet started the
+    worker it descends from is the one it runs on; Ray passes that raylet down to children."""
+    return (
+        os.environ.get("RAY_NODE_ID")
+        or _inherited_raylet_node()
+        or ray.get_runtime_context().get_node_id()
+    )
+
+
+def _inherited_raylet_node() -> str | None:
+    """The node id on the command line of the raylet in ``RAY_RAYLET_PID`` (set in Ray's
+    workers, inherited by their children); ``None`` where there is none to read (a driver
+    started by hand, a host without ``/proc``)."""
+    pid = os.environ.get("RAY_RAYLET_PID")
+    if not pid or not pid.isdigit():
+        return None
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for arg in args:
+        if arg.startswith(b"--node_id="):
+            return arg.split(b"=", 1)[1].decode()
+    return None
 
 
 class TesseraClient:
@@ -261,7 +293,7 @@ class TesseraClient:
     def local_pool(self) -> str:
         """A pool on the node this process runs on (reads landing there stay local later), or
         the first pool when this node has none."""
-        return self.node_pool(ray.get_runtime_context().get_node_id()) or self.pools[0]
+        return self.node_pool(this_node()) or self.pools[0]
 
     # ------------------------------------------------------------------ data path
     #

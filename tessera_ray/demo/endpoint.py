@@ -1,6 +1,7 @@
 """The agent fleet through an OpenAI-compatible endpoint (a Ray Serve LLM app over the tier):
-every turn of :class:`~tessera_ray.demo.workload.Fleet` sent as a token-id prompt, round after
-round, the agents of a round at once. No Ray here: the endpoint may run anywhere.
+every turn of :class:`~tessera_ray.demo.workload.Fleet` sent as a text prompt (one tokenizer
+word per workload token), round after round, the agents of a round at once. No Ray here: the
+endpoint may run anywhere.
 
 Each turn asks for one token, so its wall time is its first-token time; what it computed and
 what the tier supplied come from the response itself (``usage``'s cached prompt tokens and
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera_ray.demo.workload import DemoConfig, Fleet, Request
+from tessera_ray.models.hf_tiny import TOKENIZER_WORDS
 from tessera_ray.serve._connector_plan import TIER_TOKENS_PARAM
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "as_json",
     "rounds_from_json",
     "plot_rounds",
+    "prompt_text",
 ]
 
 
@@ -67,12 +70,20 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def prompt_text(tokens: Sequence[int]) -> str:
+    """A turn's prompt as text, one word of the tiny models' tokenizer per workload token.
+    Text, not token ids: Ray's prefix-affinity router reads prompts as text. Equal token
+    prefixes give equal text prefixes, and the tokenizer splits at spaces, so they tokenize to
+    equal token prefixes too."""
+    return " ".join(TOKENIZER_WORDS[t % len(TOKENIZER_WORDS)] for t in tokens)
+
+
 def _turn(client: Any, model: str, request: Request, salt: str | None) -> TurnResult:
     extra: dict[str, Any] = {"cache_salt": salt} if salt else {}
     t0 = time.perf_counter()
     r = client.completions.create(
         model=model,
-        prompt=request.tokens.tolist(),
+        prompt=prompt_text(request.tokens.tolist()),
         max_tokens=1,
         temperature=0.0,
         extra_body=extra,

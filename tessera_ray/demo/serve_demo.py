@@ -2,8 +2,9 @@
 LLM's OpenAI endpoint, over the tier, on an embedded local Ray.
 
 It writes a tiny random-weight model (nothing downloaded), starts the tier from its
-``config.json``, deploys :func:`tessera_ray.serve.llm.build_app` with ``num_replicas``
-replicas of vLLM's CPU build (or GPU engines where there are GPUs), and runs the fleet's turns
+``config.json`` (a pool on each of ``num_nodes`` simulated nodes), deploys
+:func:`tessera_ray.serve.llm.openai_app` with one vLLM replica per node (vLLM's CPU build, or
+GPU engines where there are GPUs), and runs the fleet's turns
 through the endpoint with the ``openai`` client (:mod:`tessera_ray.demo.endpoint`). Needs vLLM,
 pyarrow and openai in the environment (``make demo-engine`` builds one).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tessera_ray._loopback import LOOPBACK_ENV, ray_on_loopback
 from tessera_ray.demo.endpoint import TurnResult, as_json, run_fleet
 from tessera_ray.demo.workload import DemoConfig
 
@@ -34,7 +36,8 @@ class EngineDemoConfig:
     (DeepSeek-V2: on a CPU without AMX vLLM turns its own prefix cache off, so every reuse is
     the tier's)."""
     num_layers: int = 2
-    num_replicas: int = 2
+    num_nodes: int = 2
+    """Simulated Ray nodes on this machine, a pool and an engine replica on each."""
     device: str = "cpu"
     num_blocks: int = 2048
     port: int = 8000
@@ -51,12 +54,62 @@ def _wait_ready(client: Any, model: str, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         status = serve.status().applications.get("llm")
         if status is not None and status.status == "RUNNING":
-            client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=1)
+            # Text: Ray's prefix-affinity router fails on a token-id prompt (no text to match).
+            client.completions.create(model=model, prompt="w1 w2 w3", max_tokens=1)
             return
         if status is not None and status.status == "DEPLOY_FAILED":
             raise RuntimeError(f"the Serve LLM app failed to deploy: {status.message}")
         time.sleep(1.0)  # Serve offers no blocking wait for an app started without blocking
     raise TimeoutError(f"the Serve LLM app did not start within {timeout_s:.0f} s")
+
+
+_NODE_RESOURCE = "tessera_demo_node"  # one per simulated node: one engine replica per node
+
+
+def _start_nodes(num_nodes: int) -> Any:
+    """An embedded Ray of ``num_nodes`` simulated nodes on 127.0.0.1; this process joins it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if not ray_on_loopback():
+        raise RuntimeError(
+            f"simulated Ray nodes need {LOOPBACK_ENV}=0 set before Ray is imported "
+            "(tessera_ray._loopback.keep_ray_on_loopback)"
+        )
+
+    # Logical CPUs, not cores: each replica, its engine worker and the ingress claim one.
+    node: dict[str, Any] = {
+        "num_cpus": 4,
+        "node_ip_address": "127.0.0.1",
+        "resources": {_NODE_RESOURCE: 1},
+    }
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    for _ in range(num_nodes - 1):
+        cluster.add_node(**node)
+    ray.init(
+        address=cluster.address,
+        _node_ip_address="127.0.0.1",
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _replica_nodes() -> list[str]:
+    """The node of each engine replica of the app (asked of each replica's actor)."""
+    import ray
+
+    def node(_: Any) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and "LLMServer" in a["name"]
+    ]
+    handles = [ray.get_actor(n, namespace="serve") for n in names]
+    return sorted(ray.get([h.__ray_call__.remote(node) for h in handles], timeout=30))
 
 
 def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[str, Any]:
@@ -81,8 +134,7 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
         hf = json.loads((model / "config.json").read_text())
         layout = build_layout(config_from_hf(hf, name=name, source=str(model)))
         ns = config.fleet.ray_namespace
-        # Logical CPUs, not cores: each replica and the ingress claim one.
-        ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.ERROR)
+        cluster = _start_nodes(config.num_nodes)
         tier = None
         try:
             tier = TesseraClient.start(
@@ -94,18 +146,20 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
                 ),
                 layout=layout,
             )
-            serve.start(http_options={"host": "127.0.0.1", "port": config.port})
+            serve.start(
+                proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": config.port}
+            )
             settings = ServeLLMSettings(
                 model_source=str(model),
                 model_id=name,
-                num_replicas=config.num_replicas,
+                num_replicas=config.num_nodes,
+                bundle_per_worker={"CPU": 1, _NODE_RESOURCE: 1},
                 device=config.device,
                 ray_namespace=ns,
                 router=config.router,
                 engine_kwargs={"dtype": "bfloat16", "max_model_len": 4096, "enforce_eager": True},
                 env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"},
             )
-            serve.run(openai_app(settings), name="llm", blocking=False)
             client = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{config.port}/v1",
                 api_key="unused",
@@ -113,6 +167,7 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
                 timeout=600,
             )
             started = time.perf_counter()
+            serve.run(openai_app(settings), name="llm", blocking=False)
             _wait_ready(client, name, config.start_timeout_s)
             start_s = time.perf_counter() - started
             results: list[TurnResult] = run_fleet(
@@ -121,12 +176,14 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
             report = as_json(results)
             report["start_s"] = start_s
             report["model"] = name
-            report["replicas"] = config.num_replicas
+            report["replicas"] = config.num_nodes
             report["router"] = config.router
             report["tier"] = json.loads(status_json(*tier.status()))
+            report["replica_nodes"] = _replica_nodes()
             return report
         finally:
             serve.shutdown()  # type: ignore[no-untyped-call]
             if tier is not None:
                 tier.stop()
             ray.shutdown()
+            cluster.shutdown()

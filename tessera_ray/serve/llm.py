@@ -72,6 +72,9 @@ class ServeLLMSettings:
     queue before the router sends the request elsewhere."""
     timeout_s: float = 30.0
     """The connector's bound on one tier call."""
+    bundle_per_worker: dict[str, float] = field(default_factory=dict)
+    """Ray resources of each replica's engine worker (its placement group bundle), e.g. a
+    custom resource every node has one of, for one replica per node; empty: Ray's default."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """vLLM engine arguments (``block_size``, ``max_model_len``, ...), passed as they are."""
     env_vars: dict[str, str] = field(default_factory=dict)
@@ -172,6 +175,11 @@ class ServeLLMSettings:
             config["accelerator_type"] = self.accelerator_type
         if self.env_vars:
             config["runtime_env"] = {"env_vars": dict(self.env_vars)}
+        if self.bundle_per_worker:
+            config["placement_group_config"] = {
+                "bundle_per_worker": dict(self.bundle_per_worker),
+                "strategy": "STRICT_PACK",
+            }
         return config
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import ray
 
-from tessera_ray.actors.client import TesseraClient
+from tessera_ray.actors.client import TesseraClient, this_node
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig
 from tessera_ray.actors.directory import Tier
 from tessera_ray.actors.messages import PoolStatus
@@ -352,6 +352,36 @@ def test_cli_start_and_stop_on_a_running_cluster(tessera_cluster: SimCluster) ->
         if a["namespace"] == "tessera-cli-test"
     ]
     assert alive == []
+
+
+def test_a_process_under_a_worker_takes_its_workers_node_as_local(
+    tier: TesseraClient, tessera_cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This driver is attached to the head; a process that a worker on node 3 started (vLLM's
+    engine core under a Serve replica) inherits node 3's raylet in ``RAY_RAYLET_PID`` and reads
+    and stores through node 3's pool, not the head's."""
+    head, node3 = tessera_cluster.node_ids[0], tessera_cluster.node_ids[2]
+    monkeypatch.delenv("RAY_NODE_ID", raising=False)
+    monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
+    assert this_node() == head and tier.local_pool() == tier.pool_on(head)
+    (raylet,) = [
+        p.name
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit()
+        and _cmdline(p).count(f"--node_id={node3}".encode()) == 1
+        and b"raylet" in _cmdline(p).split(b"\0")[0]
+    ]
+    monkeypatch.setenv("RAY_RAYLET_PID", raylet)
+    assert this_node() == node3 and tier.local_pool() == tier.pool_on(node3)
+    monkeypatch.setenv("RAY_NODE_ID", head)  # where Ray names the node itself, that wins
+    assert this_node() == head
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(

@@ -37,7 +37,7 @@ class _Endpoint:
         with self.lock:
             self.calls.append(kw)
             replica = len(self.calls) % 2
-            tokens, own, tier = kw["prompt"], 0, 0
+            tokens, own, tier = kw["prompt"].split(), 0, 0
             for end in range(64, len(tokens) + 1, 64):
                 block = tuple(tokens[:end])
                 if block in self.seen[replica]:

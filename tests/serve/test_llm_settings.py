@@ -47,7 +47,12 @@ def test_defaults_follow_the_model_source() -> None:
     config = settings.llm_config_dict()
     assert settings.served_name == settings.tier_namespace == "my-model"
     assert config["accelerator_type"] == "H200" and "accelerator_config" not in config
-    assert "runtime_env" not in config
+    assert "runtime_env" not in config and "placement_group_config" not in config
+    one_per_node = ServeLLMSettings(model_source="m", bundle_per_worker={"CPU": 1, "node": 1})
+    assert one_per_node.llm_config_dict()["placement_group_config"] == {
+        "bundle_per_worker": {"CPU": 1, "node": 1},
+        "strategy": "STRICT_PACK",
+    }
 
 
 def test_every_router_named_is_a_class_serve_can_load() -> None:
