@@ -37,15 +37,16 @@ ROUTERS = ("power_of_two", "prefix_affinity", "tessera")
 
 
 def _measure(router: str, fleet: DemoConfig) -> dict[str, Any]:
+    from tessera_ray.demo.endpoint import quantile
     from tessera_ray.demo.serve_demo import EngineDemoConfig, run_engine_demo
 
     report = run_engine_demo(EngineDemoConfig(fleet=fleet, router=router))
     turns = report["turns"]
-    times = sorted(t["first_token_s"] for t in turns)
+    times = [t["first_token_s"] for t in turns]
     prompt = sum(t["prompt_tokens"] for t in turns)
     return {
-        "ttft_p50_ms": 1e3 * times[len(times) // 2],
-        "ttft_p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
+        "ttft_p50_ms": 1e3 * quantile(times, 0.5),
+        "ttft_p99_ms": 1e3 * quantile(times, 0.99),
         "tokens_computed": sum(t["prompt_tokens"] - t["cached_tokens"] for t in turns),
         "tier_share": sum(t["tier_tokens"] for t in turns) / prompt,
         "bytes_moved": sum(p.get("bytes_in", 0) for p in report["tier"]["pools"]),

@@ -32,6 +32,7 @@ __all__ = [
     "rounds_from_json",
     "plot_rounds",
     "prompt_text",
+    "quantile",
 ]
 
 
@@ -65,7 +66,8 @@ class RoundSummary:
     first_token_p99_s: float
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values``: the value at rank ``int(q * n)`` of the sorted list."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -140,7 +142,7 @@ def summarize(results: Sequence[TurnResult]) -> list[RoundSummary]:
                 computed_tokens=sum(r.computed_tokens for r in these),
                 tier_tokens=sum(r.tier_tokens for r in these),
                 first_token_p50_s=statistics.median(times),
-                first_token_p99_s=_quantile(times, 0.99),
+                first_token_p99_s=quantile(times, 0.99),
             )
         )
     return out

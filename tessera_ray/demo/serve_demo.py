@@ -37,7 +37,7 @@ class EngineDemoConfig:
     the tier's)."""
     num_layers: int = 2
     num_nodes: int = 2
-    """Simulated Ray nodes on this machine, a pool and an engine replica on each."""
+    """Simulated Ray nodes on the local host, a pool and an engine replica on each."""
     device: str = "cpu"
     num_blocks: int = 2048
     port: int = 8000
