@@ -8,20 +8,30 @@ import json
 from pathlib import Path
 
 from tessera_ray._loopback import keep_ray_on_loopback
+from tessera_ray.serve.llm import ROUTERS
 
 __all__ = ["add_demo_command"]
 
 
 def _cmd_engine_demo(ns: argparse.Namespace, config: object) -> int:
     """The fleet on real vLLM engines behind Ray Serve LLM (``--engine vllm``)."""
-    from tessera_ray.demo.endpoint import plot_rounds, render_rounds, rounds_from_json
+    from tessera_ray.demo.endpoint import (
+        plot_rounds,
+        render_rounds,
+        render_router_choices,
+        rounds_from_json,
+    )
     from tessera_ray.demo.serve_demo import EngineDemoConfig, run_engine_demo
     from tessera_ray.demo.workload import DemoConfig
 
     assert isinstance(config, DemoConfig)
     report = run_engine_demo(
         EngineDemoConfig(
-            fleet=config, model_kind=ns.model_kind, num_nodes=ns.nodes, device=ns.device
+            fleet=config,
+            model_kind=ns.model_kind,
+            num_nodes=ns.nodes,
+            device=ns.device,
+            router=ns.router,
         )
     )
     print(
@@ -30,6 +40,8 @@ def _cmd_engine_demo(ns: argparse.Namespace, config: object) -> int:
     )
     rounds = rounds_from_json(report)
     print(render_rounds(rounds))
+    if "router_choices" in report:
+        print(render_router_choices(report["router_choices"]))
     if ns.report is not None:
         Path(ns.report).write_text(json.dumps(report, indent=1))
         print(f"report: {ns.report}")
@@ -103,5 +115,11 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     demo.add_argument(
         "--device", choices=("cpu", "gpu"), default="cpu", help="--engine vllm: where engines run"
+    )
+    demo.add_argument(
+        "--router",
+        choices=sorted(ROUTERS),
+        default="tessera",
+        help="--engine vllm: Serve's request router (default: the tier-aware one)",
     )
     demo.set_defaults(handler=_cmd_demo)

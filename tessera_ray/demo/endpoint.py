@@ -28,6 +28,7 @@ __all__ = [
     "run_fleet",
     "summarize",
     "render_rounds",
+    "render_router_choices",
     "as_json",
     "rounds_from_json",
     "plot_rounds",
@@ -161,6 +162,19 @@ def render_rounds(rounds: Sequence[RoundSummary]) -> str:
             f"{s.first_token_p99_s * 1e3:>7.0f}ms"
         )
     return "\n".join(lines)
+
+
+def render_router_choices(choices: dict[str, Any]) -> str:
+    """One line: the tier-aware router's requests per reason (``tier``: the directory placed
+    the prefix; ``routed``: the router's memory of where it sent it did; ``balanced``: no
+    replica held any of it; ``fallback``: the tier did not answer) and local blocks per choice."""
+    reasons = [k for k in ("tier", "routed", "balanced", "fallback") if k in choices]
+    counts = ", ".join(f"{k} {int(choices[k])}" for k in reasons)
+    routed = sum(int(choices[k]) for k in reasons)
+    return (
+        f"router: {routed} requests ({counts}); "
+        f"{float(choices.get('local_blocks_mean', 0.0)):.1f} local blocks per choice"
+    )
 
 
 def as_json(results: Sequence[TurnResult]) -> dict[str, Any]:

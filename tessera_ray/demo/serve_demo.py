@@ -11,6 +11,7 @@ pyarrow and openai in the environment (``make demo-engine`` builds one).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
@@ -43,6 +44,8 @@ class EngineDemoConfig:
     port: int = 8000
     start_timeout_s: float = 900.0
     router: str = "tessera"
+    routed_memory_s: float | None = None
+    """The tier-aware router's memory of where it sent blocks (``None``: its default)."""
 
 
 def _wait_ready(client: Any, model: str, timeout_s: float) -> None:
@@ -112,6 +115,39 @@ def _replica_nodes() -> list[str]:
     return sorted(ray.get([h.__ray_call__.remote(node) for h in handles], timeout=30))
 
 
+_SCRAPE_DEADLINE_S = 60.0
+
+
+def _router_choices(ray_namespace: str, routed_at_least: int) -> dict[str, Any]:
+    """The tier-aware router's decisions, as its metrics say on the nodes' Prometheus
+    endpoints (the router runs in Serve's ingress process, not here): requests per reason
+    and the mean count of local blocks at the chosen replica."""
+    import ray
+
+    from tessera_ray.metrics_scrape import scrape_until, total
+    from tessera_ray.serve.routing import RouteReason
+
+    ports = [int(n["MetricsExportPort"]) for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
+    name = "tessera_route_requests_total"
+
+    def arrived(s: Any) -> bool:
+        # The counter and the histogram travel separately: wait for both.
+        routed = total(s, name, ray_namespace=ray_namespace) or 0.0
+        fallbacks = total(s, name, ray_namespace=ray_namespace, reason="fallback") or 0.0
+        chosen = total(s, "tessera_route_local_blocks_count", ray_namespace=ray_namespace) or 0.0
+        return routed >= routed_at_least and chosen >= routed - fallbacks
+
+    samples = scrape_until(ports, arrived, _SCRAPE_DEADLINE_S)
+    out: dict[str, Any] = {
+        r.value: int(total(samples, name, ray_namespace=ray_namespace, reason=r.value) or 0)
+        for r in RouteReason
+    }
+    count = total(samples, "tessera_route_local_blocks_count", ray_namespace=ray_namespace)
+    blocks = total(samples, "tessera_route_local_blocks_sum", ray_namespace=ray_namespace)
+    out["local_blocks_mean"] = (blocks or 0.0) / count if count else 0.0
+    return out
+
+
 def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[str, Any]:
     """Run the fleet once on real engines; a JSON-ready report (turns, rounds, tier status)."""
     import openai
@@ -160,12 +196,17 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
                 engine_kwargs={"dtype": "bfloat16", "max_model_len": 4096, "enforce_eager": True},
                 env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"},
             )
+            if config.routed_memory_s is not None:
+                settings = dataclasses.replace(settings, routed_memory_s=config.routed_memory_s)
             client = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{config.port}/v1",
                 api_key="unused",
                 max_retries=0,
                 timeout=600,
             )
+            # Ray's log setup leaves the root logger at INFO: the client's line per request
+            # would bury the report.
+            logging.getLogger("httpx").setLevel(logging.WARNING)
             started = time.perf_counter()
             serve.run(openai_app(settings), name="llm", blocking=False)
             _wait_ready(client, name, config.start_timeout_s)
@@ -180,6 +221,8 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
             report["router"] = config.router
             report["tier"] = json.loads(status_json(*tier.status()))
             report["replica_nodes"] = _replica_nodes()
+            if config.router == "tessera":
+                report["router_choices"] = _router_choices(ns, len(results))
             return report
         finally:
             serve.shutdown()  # type: ignore[no-untyped-call]

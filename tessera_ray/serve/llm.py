@@ -70,6 +70,9 @@ class ServeLLMSettings:
     max_queue_gap: int = 2
     """How many more queued requests the replica holding a prefix may have than the shortest
     queue before the router sends the request elsewhere."""
+    routed_memory_s: float = 30.0
+    """How long the router counts a block it routed to a pool as held there before the
+    directory says so (0: only the directory counts)."""
     timeout_s: float = 30.0
     """The connector's bound on one tier call."""
     bundle_per_worker: dict[str, float] = field(default_factory=dict)
@@ -94,6 +97,12 @@ class ServeLLMSettings:
         if self.router not in ROUTERS:
             raise TierConfigError(
                 f"serve LLM: router must be one of {sorted(ROUTERS)}, got {self.router!r}"
+            )
+        if self.lookup_timeout_s <= 0 or self.max_queue_gap < 0 or self.routed_memory_s < 0:
+            raise TierConfigError(
+                "serve LLM: lookup_timeout_s must be > 0, max_queue_gap and routed_memory_s "
+                f">= 0, got {self.lookup_timeout_s!r}, {self.max_queue_gap!r}, "
+                f"{self.routed_memory_s!r}"
             )
         owned = sorted(set(self.engine_kwargs) & set(_OWNED_ENGINE_KWARGS))
         if owned:
@@ -141,6 +150,7 @@ class ServeLLMSettings:
                 "tokenizer": self.engine_kwargs.get("tokenizer", self.model_source),
                 "lookup_timeout_s": self.lookup_timeout_s,
                 "max_queue_gap": self.max_queue_gap,
+                "routed_memory_s": self.routed_memory_s,
             }
         return config
 

@@ -18,7 +18,9 @@ Prompts are read from the request's first argument (an OpenAI-style request obje
 ``prompt`` as token ids is used as is; a text ``prompt`` or chat ``messages`` need
 ``tokenizer`` (a local path for ``transformers.AutoTokenizer``). A request whose tokens are
 unknown, or whose lookup the tier does not answer within ``lookup_timeout_s``, is routed by
-power-of-two choices (counted as a fallback).
+power-of-two choices (counted as a fallback). Blocks routed to a pool count as held there for
+``routed_memory_s`` (:class:`~tessera_ray.serve.routing.RoutedBlocks`), so requests that share a
+prefix and arrive before its first prefill has stored it are grouped; 0 turns that off.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from tessera_ray.serve._connector_plan import prompt_keys, tenant_namespace
 from tessera_ray.serve.routing import (
     ReplicaState,
     RouteChoice,
+    RoutedBlocks,
     RouteReason,
     choose_replica,
     leading_blocks_by_pool,
@@ -87,6 +90,7 @@ class TesseraRequestRouter(RequestRouter):
         tokenizer: str | None = None,
         lookup_timeout_s: float = 0.05,
         max_queue_gap: int = 2,
+        routed_memory_s: float = 30.0,
         seed: int | None = None,
         client: TesseraClient | None = None,
         **_: Any,
@@ -95,10 +99,11 @@ class TesseraRequestRouter(RequestRouter):
         vLLM's served model name; its ``namespace``), or no key will match."""
         if not model_name:
             raise TierConfigError("TesseraRequestRouter: model_name is required")
-        if lookup_timeout_s <= 0 or max_queue_gap < 0:
+        if lookup_timeout_s <= 0 or max_queue_gap < 0 or routed_memory_s < 0:
             raise TierConfigError(
-                "TesseraRequestRouter: lookup_timeout_s must be > 0 and max_queue_gap >= 0, got "
-                f"{lookup_timeout_s!r}, {max_queue_gap!r}"
+                "TesseraRequestRouter: lookup_timeout_s must be > 0, max_queue_gap >= 0 and "
+                f"routed_memory_s >= 0, got {lookup_timeout_s!r}, {max_queue_gap!r}, "
+                f"{routed_memory_s!r}"
             )
         self._model_name = model_name
         self._ray_namespace = ray_namespace
@@ -107,6 +112,7 @@ class TesseraRequestRouter(RequestRouter):
         self._tokenizer: Any = None
         self._lookup_timeout_s = lookup_timeout_s
         self._max_queue_gap = max_queue_gap
+        self._routed = RoutedBlocks(routed_memory_s)
         self._rng = random.Random(seed)
         self._client = client
         self._connect_after = 0.0
@@ -146,10 +152,12 @@ class TesseraRequestRouter(RequestRouter):
 
     async def _keys(
         self, client: TesseraClient, pending: PendingRequest | None
-    ) -> tuple[str, list[TokenKey]]:
+    ) -> tuple[str, list[TokenKey]] | None:
+        """The request's tier namespace and block keys (none for a prompt shorter than a
+        block); ``None`` when its tokens are unknown."""
         found = request_prompt(pending.args) if pending is not None else None
         if found is None:
-            return self._namespace, []
+            return None
         prompt, salt = found
         try:
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -159,14 +167,13 @@ class TesseraRequestRouter(RequestRouter):
         except Exception as exc:  # a prompt the tokenizer refuses is the engine's to reject
             log.debug("router could not tokenize a prompt: %s", exc)
             tokens = None
-        namespace = tenant_namespace(self._namespace, salt)
-        if not tokens:
-            return namespace, []
+        if tokens is None:
+            return None
         layout = client.layout
         keys = prompt_keys(
             layout.fingerprint, self._model_name, tokens, layout.block_tokens, salt, self._namespace
         )
-        return namespace, keys
+        return tenant_namespace(self._namespace, salt), keys
 
     def _queue_len(self, replica: RunningReplica) -> int:
         queue = self._replica_queue_len_cache.get(replica.replica_id)
@@ -174,7 +181,11 @@ class TesseraRequestRouter(RequestRouter):
 
     async def _held_by_pool(
         self, client: TesseraClient, namespace: str, keys: list[TokenKey]
-    ) -> dict[str, int] | None:
+    ) -> tuple[dict[str, int], dict[str, int]] | None:
+        """Per pool, the leading run it holds: counting blocks routed there recently, and as
+        the directory alone says; ``None`` when the directory did not answer in time."""
+        if not keys:
+            return {}, {}
         try:
             results = await asyncio.wait_for(
                 client.alookup(namespace, keys, strict=True),
@@ -183,7 +194,10 @@ class TesseraRequestRouter(RequestRouter):
         except Exception as exc:  # the tier is down or slow: route without it
             log.info("tier lookup for routing did not answer: %s", exc)
             return None
-        return leading_blocks_by_pool(results)
+        return (
+            leading_blocks_by_pool(results, self._routed.pools(keys)),
+            leading_blocks_by_pool(results),
+        )
 
     # ---------------------------------------------------------------- Serve's hook
 
@@ -196,12 +210,13 @@ class TesseraRequestRouter(RequestRouter):
         first is at capacity)."""
         if not candidate_replicas:
             return []
-        held: dict[str, int] | None = None
+        held: tuple[dict[str, int], dict[str, int]] | None = None
+        keys: list[TokenKey] = []
         client = await self._tier()
-        if client is not None:
-            namespace, keys = await self._keys(client, pending_request)
-            if keys:
-                held = await self._held_by_pool(client, namespace, keys)
+        found = await self._keys(client, pending_request) if client is not None else None
+        if client is not None and found is not None:
+            namespace, keys = found
+            held = await self._held_by_pool(client, namespace, keys)
         states = [
             ReplicaState(
                 str(r.replica_id),
@@ -210,7 +225,16 @@ class TesseraRequestRouter(RequestRouter):
             )
             for r in candidate_replicas
         ]
-        choice = choose_replica(states, held, max_queue_gap=self._max_queue_gap, rng=self._rng)
+        choice = choose_replica(
+            states,
+            held[0] if held is not None else None,
+            max_queue_gap=self._max_queue_gap,
+            rng=self._rng,
+            stored_by_pool=held[1] if held is not None else None,
+        )
+        pool = next(s.pool for s in states if s.replica_id == choice.replica_id)
+        if keys and pool is not None:
+            self._routed.note(keys, pool)
         self._record(choice)
         chosen = next(r for r in candidate_replicas if str(r.replica_id) == choice.replica_id)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]

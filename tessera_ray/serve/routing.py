@@ -17,18 +17,35 @@ The rule:
   the shorter queue, then to a random pick (seeded by the caller).
 - When the tier did not answer (down, or slower than the router's bound), the choice is
   power-of-two: two random replicas, the shorter queue.
+
+The directory only knows what is stored, and a prompt's blocks are stored after its prefill.
+Requests that share a prefix often arrive together, before the first of them has stored
+anything; the router would then see no holder and spread them, and every replica would compute
+the prefix. So the router also remembers, for a short while, which pool it sent each block to
+(:class:`RoutedBlocks`): a block routed to a pool counts as held there until the memory
+expires. It only steers routing; what is loaded is always what the directory and the pool say.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from tessera_ray.actors.directory import LookupResult, Tier
+from tessera_ray.core.results import TokenKey
 
-__all__ = ["ReplicaState", "RouteReason", "RouteChoice", "leading_blocks_by_pool", "choose_replica"]
+__all__ = [
+    "ReplicaState",
+    "RouteReason",
+    "RouteChoice",
+    "RoutedBlocks",
+    "leading_blocks_by_pool",
+    "choose_replica",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +61,9 @@ class ReplicaState:
 class RouteReason(StrEnum):
     TIER = "tier"
     """The chosen replica's pool holds the longest leading run of the request's blocks."""
+    ROUTED = "routed"
+    """As ``TIER``, but part of the run was only routed to the pool, not yet stored there as
+    far as the directory knows (:class:`RoutedBlocks`)."""
     BALANCED = "balanced"
     """No candidate's pool holds any leading block: the shortest queue won."""
     FALLBACK = "fallback"
@@ -58,9 +78,67 @@ class RouteChoice:
     reason: RouteReason
 
 
-def leading_blocks_by_pool(results: Sequence[LookupResult | None]) -> dict[str, int]:
+class RoutedBlocks:
+    """Which pool each recently routed block was sent to, for ``ttl_s`` seconds, at most
+    ``max_blocks`` blocks (the oldest forgotten first). Not thread-safe: one per router, used
+    from its event loop."""
+
+    def __init__(
+        self,
+        ttl_s: float,
+        max_blocks: int = 1 << 16,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s < 0 or max_blocks < 1:
+            raise ValueError(
+                f"RoutedBlocks: ttl_s >= 0 and max_blocks >= 1, got {ttl_s}, {max_blocks}"
+            )
+        self._ttl_s = ttl_s
+        self._max = max_blocks
+        self._clock = clock
+        # key -> {pool: expiry}; insertion order is expiry order (every note moves to the end).
+        self._routed: OrderedDict[TokenKey, dict[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._routed)
+
+    def note(self, keys: Sequence[TokenKey], pool: str) -> None:
+        """``keys`` were routed to ``pool``'s replica just now."""
+        if self._ttl_s == 0:
+            return
+        expiry = self._clock() + self._ttl_s
+        for key in keys:
+            pools = self._routed.pop(key, {})
+            pools[pool] = expiry
+            self._routed[key] = pools
+        self._expire()
+
+    def pools(self, keys: Sequence[TokenKey]) -> list[frozenset[str]]:
+        """Per key, the pools it was routed to and whose memory has not expired."""
+        self._expire()
+        now = self._clock()
+        return [
+            frozenset(p for p, until in self._routed.get(k, {}).items() if until > now)
+            for k in keys
+        ]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._routed:
+            key, pools = next(iter(self._routed.items()))
+            if len(self._routed) <= self._max and max(pools.values()) > now:
+                break
+            del self._routed[key]
+
+
+def leading_blocks_by_pool(
+    results: Sequence[LookupResult | None],
+    routed: Sequence[frozenset[str]] = (),
+) -> dict[str, int]:
     """Per pool, how many of the request's leading blocks it holds in memory: a run, ended by
-    the first block the pool lacks (a block after a gap cannot be used, keys are chained)."""
+    the first block the pool lacks (a block after a gap cannot be used, keys are chained).
+    ``routed``: per block, pools it was recently routed to (:meth:`RoutedBlocks.pools`), which
+    count as holding it."""
     held: dict[str, int] = {}
     alive: set[str] | None = None  # pools whose run has not ended yet
     for i, result in enumerate(results):
@@ -69,6 +147,8 @@ def leading_blocks_by_pool(results: Sequence[LookupResult | None]) -> dict[str, 
             if result is not None
             else set()
         )
+        if i < len(routed):
+            here |= routed[i]
         alive = here if alive is None else alive & here
         if not alive:
             break
@@ -83,9 +163,12 @@ def choose_replica(
     *,
     max_queue_gap: int,
     rng: random.Random,
+    stored_by_pool: Mapping[str, int] | None = None,
 ) -> RouteChoice:
     """The replica for one request (see the module docstring); ``held_by_pool`` is
-    :func:`leading_blocks_by_pool` of the directory's answer, ``None`` when it did not answer."""
+    :func:`leading_blocks_by_pool` of the directory's answer (with the blocks routed recently),
+    ``None`` when it did not answer; ``stored_by_pool`` the same without the routed blocks,
+    to tell a ``ROUTED`` choice from a ``TIER`` one."""
     if not replicas:
         raise ValueError("no replica to route to")
     if max_queue_gap < 0:
@@ -104,6 +187,8 @@ def choose_replica(
     rng.shuffle(order)  # random among equals; max() keeps the first of equal keys
     best = max(order, key=lambda r: (held(r), -r.queue_len))
     blocks = held(best)
-    return RouteChoice(
-        best.replica_id, blocks, RouteReason.TIER if blocks else RouteReason.BALANCED
-    )
+    if not blocks:
+        return RouteChoice(best.replica_id, 0, RouteReason.BALANCED)
+    stored = blocks if stored_by_pool is None else stored_by_pool.get(best.pool or "", 0)
+    reason = RouteReason.TIER if stored >= blocks else RouteReason.ROUTED
+    return RouteChoice(best.replica_id, blocks, reason)

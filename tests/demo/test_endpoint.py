@@ -16,6 +16,7 @@ from tessera_ray.demo.endpoint import (
     as_json,
     plot_rounds,
     render_rounds,
+    render_router_choices,
     rounds_from_json,
     run_fleet,
     summarize,
@@ -87,3 +88,13 @@ def test_every_turn_is_sent_round_by_round_and_counted_from_the_answers(tmp_path
     pytest.importorskip("matplotlib")
     plot_rounds(rounds, tmp_path / "rounds.png")
     assert (tmp_path / "rounds.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_router_choices_render_as_one_line() -> None:
+    line = render_router_choices(
+        {"tier": 30, "routed": 12, "balanced": 6, "fallback": 0, "local_blocks_mean": 7.25}
+    )
+    assert line == (
+        "router: 48 requests (tier 30, routed 12, balanced 6, fallback 0); "
+        "7.2 local blocks per choice"
+    )

@@ -3,8 +3,6 @@ disk record, a transfer and directory lookups, each found with its expected valu
 
 from __future__ import annotations
 
-import time
-import urllib.request
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from prometheus_client.parser import text_string_to_metric_families
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tessera_ray.actors.client import POOL_PREFIX, PoolActor, TesseraClient
@@ -21,7 +18,9 @@ from tessera_ray.actors.directory import DirectoryStats, Tier
 from tessera_ray.actors.messages import PoolStatus
 from tessera_ray.core import content_seed, token_key
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.metrics import RAY_PREFIX, exported_names
+from tessera_ray.metrics import exported_names
+from tessera_ray.metrics_scrape import Samples, total
+from tessera_ray.metrics_scrape import scrape_until as _scrape_until
 from tests.conftest import SimCluster
 from tests.metrics._weak_hash import weak_hash
 
@@ -30,7 +29,6 @@ pytestmark = pytest.mark.ray
 LAYOUT = build_layout(MLAConfig(name="tiny-mla", num_layers=2, num_heads=4))
 NAMESPACE = "tessera-test-metrics"
 SCRAPE_DEADLINE_S = 40.0
-Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 def keys(ns: str, n: int, salt: int) -> list[bytes]:
@@ -69,37 +67,13 @@ def node_ports(head_port: int) -> list[int]:
     return ports
 
 
-def scrape(ports: list[int]) -> Samples:
-    out: Samples = defaultdict(list)
-    for port in ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[s.name].append((dict(s.labels), float(s.value)))
-    return out
-
-
 def value(samples: Samples, name: str, **labels: str) -> float | None:
-    # Ray's agent serves every metric under its namespace: tessera_x -> ray_tessera_x.
-    labels = {"ray_namespace": NAMESPACE, **labels}  # other tests' tiers share the cluster
-    found = [
-        v
-        for lab, v in samples.get(RAY_PREFIX + name, [])
-        if all(lab.get(k) == w for k, w in labels.items())
-    ]
-    return sum(found) if found else None
+    # Other tests' tiers share the cluster: only this test's namespace.
+    return total(samples, name, ray_namespace=NAMESPACE, **labels)
 
 
 def scrape_until(ports: list[int], ready: Callable[[Samples], bool]) -> Samples:
-    # Ray ships recorded values to the node's agent on its own schedule (seconds): poll the
-    # endpoint until everything expected has arrived, with a bounded deadline.
-    deadline = time.monotonic() + SCRAPE_DEADLINE_S
-    samples = scrape(ports)
-    while not ready(samples) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        samples = scrape(ports)
-    return samples
+    return _scrape_until(ports, ready, SCRAPE_DEADLINE_S)
 
 
 def test_metrics_reach_the_nodes_prometheus_endpoint(

@@ -79,6 +79,8 @@ def test_every_router_named_is_a_class_serve_can_load() -> None:
         ({"engine_kwargs": {"kv_transfer_config": {}}}, "kv_transfer_config"),
         ({"engine_kwargs": {"served_model_name": "x"}}, "served_model_name"),
         ({"model_source": ""}, "model_source"),
+        ({"routed_memory_s": -1.0}, "routed_memory_s"),
+        ({"lookup_timeout_s": 0.0}, "lookup_timeout_s"),
     ],
 )
 def test_bad_settings_are_refused_by_name(change: dict[str, Any], named: str) -> None:

@@ -24,7 +24,7 @@ from tessera_ray.serve._connector_plan import (
     prompt_keys,
 )
 from tessera_ray.serve.router import TesseraRequestRouter, request_prompt
-from tessera_ray.serve.routing import RouteReason
+from tessera_ray.serve.routing import RouteChoice, RouteReason
 from tests.conftest import SimCluster
 
 LAYOUT = build_layout(MLAConfig(name="router-mla", num_layers=2, num_heads=4))
@@ -126,11 +126,11 @@ def test_a_request_goes_to_the_replica_whose_pool_holds_its_prefix() -> None:
         tier.held[k] = [tier.pools[1]]
     replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
     router = _router(tier)
-    for _ in range(5):  # not a coin flip
+    assert _route(router, replicas, {"prompt": tokens}).replica_id == "r1"
+    assert router.last_choice == RouteChoice("r1", 3, RouteReason.TIER)
+    for _ in range(5):  # not a coin flip; the 4th block was routed to r1 too, not yet stored
         assert _route(router, replicas, {"prompt": tokens}).replica_id == "r1"
-        assert router.last_choice is not None
-        assert router.last_choice.reason is RouteReason.TIER
-        assert router.last_choice.local_blocks == 3
+        assert router.last_choice == RouteChoice("r1", 4, RouteReason.ROUTED)
     # Another tenant's keys differ: nothing is held for it, the shorter queue wins.
     router._replica_queue_len_cache.update("r1", 1)
     assert _route(router, replicas, {"prompt": tokens, "cache_salt": "t"}).replica_id == "r0"
@@ -150,6 +150,30 @@ def test_a_hot_prefix_spreads_once_its_replica_queue_is_deeper_than_the_bound() 
     assert router.last_choice is not None and router.last_choice.reason is RouteReason.BALANCED
 
 
+def test_requests_sharing_a_prefix_that_is_not_yet_stored_are_grouped() -> None:
+    """Turns that share a prefix arrive before the first has stored anything: the router
+    remembers where it sent the blocks and sends the next turns there (within the queue bound)
+    instead of balancing them, so one replica computes the prefix. With the memory off they
+    are balanced."""
+    shared = list(range(256))
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
+    for memory_s, expect in ((30.0, RouteReason.ROUTED), (0.0, RouteReason.BALANCED)):
+        tier = _FakeTier()
+        router = _router(tier, routed_memory_s=memory_s)
+        first = _route(router, replicas, {"prompt": [*shared, 1000]})
+        assert router.last_choice is not None and router.last_choice.reason is RouteReason.BALANCED
+        router._replica_queue_len_cache.update(first.replica_id, 1)
+        second = _route(router, replicas, {"prompt": [*shared, 2000]})
+        assert router.last_choice is not None and router.last_choice.reason is expect
+        assert (second is first) == (expect is RouteReason.ROUTED)
+    # Once the directory holds the blocks where they were routed, the choice is the tier's.
+    for k in _keys(shared):
+        tier.held[k] = [tier.pools[0]]
+    router = _router(tier)
+    _route(router, replicas, {"prompt": shared})
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.TIER
+
+
 def test_a_silent_tier_or_unknown_tokens_fall_back_to_power_of_two() -> None:
     tier, tokens = _FakeTier(), list(range(300))
     replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
@@ -161,6 +185,10 @@ def test_a_silent_tier_or_unknown_tokens_fall_back_to_power_of_two() -> None:
     tier.down, tier.lookups = False, 0
     _route(router, replicas, {"prompt": "text, and no tokenizer configured"})
     assert router.last_choice is not None and router.last_choice.reason is RouteReason.FALLBACK
+    assert tier.lookups == 0
+    # Shorter than a block: nothing to look up, but the tier is not silent: balanced.
+    assert _route(router, replicas, {"prompt": list(range(10))}).replica_id == "r1"
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.BALANCED
     assert tier.lookups == 0
 
 
@@ -180,6 +208,8 @@ def test_router_settings_are_checked() -> None:
         _router(_FakeTier(), model_name="")
     with pytest.raises(TierConfigError, match="max_queue_gap"):
         _router(_FakeTier(), max_queue_gap=-1)
+    with pytest.raises(TierConfigError, match="routed_memory_s"):
+        _router(_FakeTier(), routed_memory_s=-1.0)
 
 
 def test_a_strict_lookup_tells_a_dead_shard_from_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:

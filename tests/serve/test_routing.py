@@ -12,6 +12,7 @@ from tessera_ray.actors.directory import LookupResult, Replica, Tier
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.serve.routing import (
     ReplicaState,
+    RoutedBlocks,
     RouteReason,
     choose_replica,
     leading_blocks_by_pool,
@@ -37,6 +38,51 @@ def test_a_pools_run_ends_at_the_first_block_it_lacks_and_disk_copies_do_not_cou
     assert leading_blocks_by_pool(answer) == {"a": 3, "b": 1}
     assert leading_blocks_by_pool([None, _result(1, ("a", M))]) == {}
     assert leading_blocks_by_pool([]) == {}
+
+
+def test_blocks_routed_to_a_pool_extend_its_run_until_they_expire() -> None:
+    now = [100.0]
+    routed = RoutedBlocks(ttl_s=5.0, clock=lambda: now[0])
+    keys = [TokenKey(bytes([i]) * 32) for i in range(4)]
+    routed.note(keys[:3], "b")
+    answer = [_result(0, ("a", M)), _result(1, ("a", M)), None, None]
+    assert leading_blocks_by_pool(answer) == {"a": 2}
+    assert leading_blocks_by_pool(answer, routed.pools(keys)) == {"a": 2, "b": 3}
+    now[0] += 3.0
+    routed.note(keys[:1], "a")  # a second pool for block 0; block 0's memory renewed
+    assert routed.pools(keys[:1]) == [frozenset({"a", "b"})]
+    now[0] += 2.5  # b's blocks 1 and 2 expired; block 0 is remembered for a only
+    assert routed.pools(keys) == [frozenset({"a"}), frozenset(), frozenset(), frozenset()]
+    assert len(routed) == 1
+    now[0] += 5.0
+    assert routed.pools(keys) == [frozenset()] * 4 and len(routed) == 0
+
+
+def test_routed_memory_is_bounded_and_can_be_off() -> None:
+    keys = [TokenKey(bytes([i]) * 32) for i in range(10)]
+    small = RoutedBlocks(ttl_s=60.0, max_blocks=4)
+    small.note(keys, "p")
+    assert len(small) == 4
+    assert small.pools(keys) == [frozenset()] * 6 + [frozenset({"p"})] * 4  # oldest forgotten
+    off = RoutedBlocks(ttl_s=0.0)
+    off.note(keys, "p")
+    assert len(off) == 0
+    with pytest.raises(ValueError, match="ttl_s"):
+        RoutedBlocks(ttl_s=-1.0)
+
+
+def test_a_run_that_is_partly_only_routed_is_a_routed_choice() -> None:
+    replicas = _replicas(0, 0)
+    stored = {"p0": 2}
+    held = {"p0": 2, "p1": 4}
+    choice = choose_replica(
+        replicas, held, max_queue_gap=1, rng=random.Random(0), stored_by_pool=stored
+    )
+    assert (choice.replica_id, choice.local_blocks, choice.reason) == ("r1", 4, RouteReason.ROUTED)
+    choice = choose_replica(
+        replicas, stored, max_queue_gap=1, rng=random.Random(0), stored_by_pool=stored
+    )
+    assert (choice.replica_id, choice.reason) == ("r0", RouteReason.TIER)
 
 
 def _replicas(*queues: int) -> list[ReplicaState]:
