@@ -17,8 +17,9 @@ Used in a deployment's config::
 Prompts are read from the request's first argument (an OpenAI-style request object or dict):
 ``prompt`` as token ids is used as is; a text ``prompt`` or chat ``messages`` need
 ``tokenizer`` (a local path for ``transformers.AutoTokenizer``). A request whose tokens are
-unknown, or whose lookup the tier does not answer within ``lookup_timeout_s``, is routed by
-power-of-two choices (counted as a fallback). Blocks routed to a pool count as held there for
+unknown, or whose lookup the tier does not answer within ``lookup_timeout_s``, is a fallback
+(counted): routed on the blocks the router sent somewhere recently, else by power-of-two
+choices. Blocks routed to a pool count as held there for
 ``routed_memory_s`` (:class:`~tessera_ray.serve.routing.RoutedBlocks`), so requests that share a
 prefix and arrive before its first prefill has stored it are grouped; 0 turns that off.
 """
@@ -199,6 +200,10 @@ class TesseraRequestRouter(RequestRouter):
             leading_blocks_by_pool(results),
         )
 
+    def _routed_only(self, keys: list[TokenKey]) -> dict[str, int]:
+        """Per pool, the leading run of ``keys`` the router itself sent there recently."""
+        return leading_blocks_by_pool([None] * len(keys), self._routed.pools(keys))
+
     # ---------------------------------------------------------------- Serve's hook
 
     async def choose_replicas(
@@ -225,12 +230,14 @@ class TesseraRequestRouter(RequestRouter):
             )
             for r in candidate_replicas
         ]
+        answered = held is not None
         choice = choose_replica(
             states,
-            held[0] if held is not None else None,
+            held[0] if held is not None else (self._routed_only(keys) if keys else None),
             max_queue_gap=self._max_queue_gap,
             rng=self._rng,
             stored_by_pool=held[1] if held is not None else None,
+            answered=answered,
         )
         pool = next(s.pool for s in states if s.replica_id == choice.replica_id)
         if keys and pool is not None:

@@ -15,8 +15,9 @@ The rule:
   the tier, and from then on both replicas hold it.
 - Among candidates, the longest run of leading blocks in the replica's own pool wins; ties go to
   the shorter queue, then to a random pick (seeded by the caller).
-- When the tier did not answer (down, or slower than the router's bound), the choice is
-  power-of-two: two random replicas, the shorter queue.
+- When the tier did not answer (down, or slower than the router's bound), the choice is a
+  fallback: on the blocks the router itself recently routed (below) where they name a pool,
+  else power-of-two (two random replicas, the shorter queue).
 
 The directory only knows what is stored, and a prompt's blocks are stored after its prefill.
 Requests that share a prefix often arrive together, before the first of them has stored
@@ -164,16 +165,19 @@ def choose_replica(
     max_queue_gap: int,
     rng: random.Random,
     stored_by_pool: Mapping[str, int] | None = None,
+    answered: bool = True,
 ) -> RouteChoice:
     """The replica for one request (see the module docstring); ``held_by_pool`` is
     :func:`leading_blocks_by_pool` of the directory's answer (with the blocks routed recently),
-    ``None`` when it did not answer; ``stored_by_pool`` the same without the routed blocks,
-    to tell a ``ROUTED`` choice from a ``TIER`` one."""
+    ``None`` when nothing is known; ``stored_by_pool`` the same without the routed blocks,
+    to tell a ``ROUTED`` choice from a ``TIER`` one. ``answered`` False: the directory was
+    silent and ``held_by_pool`` holds only the routed blocks; the choice is a ``FALLBACK``,
+    made on them where they name a pool, else by power-of-two choices."""
     if not replicas:
         raise ValueError("no replica to route to")
     if max_queue_gap < 0:
         raise ValueError(f"max_queue_gap must be >= 0, got {max_queue_gap}")
-    if held_by_pool is None:
+    if held_by_pool is None or (not answered and not any(held_by_pool.values())):
         pair = rng.sample(list(replicas), min(2, len(replicas)))
         pick = min(pair, key=lambda r: r.queue_len)
         return RouteChoice(pick.replica_id, 0, RouteReason.FALLBACK)
@@ -187,6 +191,8 @@ def choose_replica(
     rng.shuffle(order)  # random among equals; max() keeps the first of equal keys
     best = max(order, key=lambda r: (held(r), -r.queue_len))
     blocks = held(best)
+    if not answered:
+        return RouteChoice(best.replica_id, 0, RouteReason.FALLBACK)
     if not blocks:
         return RouteChoice(best.replica_id, 0, RouteReason.BALANCED)
     stored = blocks if stored_by_pool is None else stored_by_pool.get(best.pool or "", 0)

@@ -194,13 +194,25 @@ def test_a_silent_tier_or_unknown_tokens_fall_back_to_power_of_two() -> None:
 
 def test_a_slow_tier_is_not_waited_for() -> None:
     class _Slow(_FakeTier):
-        async def alookup(self, *args: Any, **kwargs: Any) -> Any:
-            await asyncio.sleep(5)
+        slow = True
 
-    router = _router(_Slow(), lookup_timeout_s=0.05)
+        async def alookup(self, *args: Any, **kwargs: Any) -> Any:
+            if self.slow:
+                await asyncio.sleep(5)
+            return await super().alookup(*args, **kwargs)
+
+    tier = _Slow()
+    router = _router(tier, lookup_timeout_s=0.05)
     replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
-    _route(router, replicas, {"prompt": list(range(300))})
+    tokens = list(range(300))
+    first = _route(router, replicas, {"prompt": tokens})
     assert router.last_choice is not None and router.last_choice.reason is RouteReason.FALLBACK
+    # Still silent: the prefix follows the blocks the router sent, not a coin flip.
+    router._replica_queue_len_cache.update(first.replica_id, 1)
+    for _ in range(4):
+        assert _route(router, replicas, {"prompt": tokens}) is first
+        assert router.last_choice is not None
+        assert router.last_choice.reason is RouteReason.FALLBACK
 
 
 def test_router_settings_are_checked() -> None:

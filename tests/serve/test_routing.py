@@ -145,3 +145,22 @@ def test_bad_input_is_refused_by_name() -> None:
         choose_replica([], {}, max_queue_gap=0, rng=random.Random(0))
     with pytest.raises(ValueError, match="max_queue_gap must be >= 0"):
         choose_replica(_replicas(0), {}, max_queue_gap=-1, rng=random.Random(0))
+
+
+def test_a_silent_directory_still_follows_the_blocks_the_router_sent() -> None:
+    replicas = _replicas(1, 0, 0)
+    routed = {"p0": 3}
+    for seed in range(20):
+        choice = choose_replica(
+            replicas, routed, max_queue_gap=2, rng=random.Random(seed), answered=False
+        )
+        assert (choice.replica_id, choice.local_blocks) == ("r0", 0)
+        assert choice.reason is RouteReason.FALLBACK
+    # Nothing routed either: power-of-two, never the longest queue of three.
+    picks = {
+        choose_replica(
+            _replicas(9, 1, 2), {}, max_queue_gap=2, rng=random.Random(s), answered=False
+        ).replica_id
+        for s in range(40)
+    }
+    assert picks == {"r1", "r2"}
