@@ -16,7 +16,7 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,9 @@ class EngineDemoConfig:
     port: int = 8000
     start_timeout_s: float = 900.0
     router: str = "tessera"
-    routed_memory_s: float | None = None
-    """The tier-aware router's memory of where it sent blocks (``None``: its default)."""
+    router_settings: dict[str, Any] = field(default_factory=dict)
+    """Overrides of :class:`~tessera_ray.serve.llm.ServeLLMSettings`' router fields
+    (``max_queue_gap``, ``routed_memory_s``, ``lookup_timeout_s``)."""
 
 
 def _wait_ready(client: Any, model: str, timeout_s: float) -> None:
@@ -196,21 +197,20 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
                 engine_kwargs={"dtype": "bfloat16", "max_model_len": 4096, "enforce_eager": True},
                 env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"},
             )
-            if config.routed_memory_s is not None:
-                settings = dataclasses.replace(settings, routed_memory_s=config.routed_memory_s)
+            settings = dataclasses.replace(settings, **config.router_settings)
             client = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{config.port}/v1",
                 api_key="unused",
                 max_retries=0,
                 timeout=600,
             )
-            # Ray's log setup leaves the root logger at INFO: the client's line per request
-            # would bury the report.
-            logging.getLogger("httpx").setLevel(logging.WARNING)
             started = time.perf_counter()
             serve.run(openai_app(settings), name="llm", blocking=False)
             _wait_ready(client, name, config.start_timeout_s)
             start_s = time.perf_counter() - started
+            # Ray's log setup (redone when Serve starts) leaves the root logger at INFO: the
+            # client's line per request would bury the report.
+            logging.getLogger("httpx").setLevel(logging.WARNING)
             results: list[TurnResult] = run_fleet(
                 client, name, config.fleet, vocab_size=int(hf["vocab_size"])
             )
