@@ -54,6 +54,7 @@ __all__ = [
     "ChannelServer",
     "MAX_FRAME_BYTES",
     "PendingCall",
+    "send_if_open",
 ]
 
 log = logging.getLogger(__name__)
@@ -416,3 +417,15 @@ class PendingCall:
         """Stop waiting for the answer (it is dropped when it comes)."""
         self._client._waiting.pop(self._req_id, None)
         self._future.cancel()
+
+
+def send_if_open(channel: ChannelClient | None, op: str, *args: Any) -> bool:
+    """Send ``op`` on ``channel`` without an answer; False when it cannot go that way (no
+    channel, or a closed or broken one), and the caller uses the Ray call instead."""
+    if channel is None or channel.closed:
+        return False
+    try:
+        channel.send(op, *args)
+    except ChannelError:
+        return False
+    return True

@@ -38,8 +38,10 @@ from tessera_ray.actors.directory_actor import DirectoryActor
 from tessera_ray.actors.links import group_by_shard
 from tessera_ray.actors.messages import (
     BlockCheck,
+    BlockFailure,
     BlockReads,
     EvictionReport,
+    FetchFailure,
     PoolStatus,
     StoredBlock,
 )
@@ -70,7 +72,8 @@ class FetchResult:
     local_hits: tuple[TokenKey, ...]
     fetched: tuple[TokenKey, ...]
     missed: tuple[TokenKey, ...]
-    failed: dict[TokenKey, str] = field(default_factory=dict)
+    failed: dict[TokenKey, BlockFailure] = field(default_factory=dict)
+    """Keys no pool could supply, with the last owner's reason."""
 
     @property
     def available(self) -> set[TokenKey]:
@@ -374,7 +377,7 @@ class TesseraClient:
                 )
                 pending[key] = list(dict.fromkeys(rep.pool for rep in order))
         fetched: list[TokenKey] = []
-        failed: dict[TokenKey, str] = {}
+        failed: dict[TokenKey, BlockFailure] = {}
         target = self.pool(into)
         if local:
             # Confirm the local hits (the directory may lag an eviction) and mark them used, so
@@ -401,7 +404,9 @@ class TesseraClient:
                 *(target.fetch_from.remote(o, namespace, ks) for o, ks in by_owner.items())
             )
             for (owner, owner_keys), reasons in zip(by_owner.items(), answers, strict=True):
-                if any(r is not None and "unavailable" in r for r in reasons):
+                if any(
+                    r is not None and r.reason is FetchFailure.OWNER_UNAVAILABLE for r in reasons
+                ):
                     await self.apurge_pool(owner)
                 for key, reason in zip(owner_keys, reasons, strict=True):
                     if reason is None:

@@ -27,6 +27,8 @@ __all__ = [
     "BlockRef",
     "EvictionReport",
     "InstallResult",
+    "FetchFailure",
+    "BlockFailure",
     "PoolStatus",
 ]
 
@@ -243,13 +245,44 @@ class EvictionReport:
         return len(self.dropped) + len(self.spilled) + len(self.lost)
 
 
+class FetchFailure(StrEnum):
+    """Why one block was not fetched from another pool (callers branch on this, never on a
+    message)."""
+
+    OWNER_UNAVAILABLE = "owner_unavailable"
+    """The owner did not answer the pin: dead, restarting, unreachable or too slow."""
+    WRONG_NAMESPACE = "wrong_namespace"
+    """The owner answered for another namespace than the one asked (a bug, never used)."""
+    NOT_HELD = "not_held"
+    """The owner does not hold the block (evicted, or never had it)."""
+    TRANSFER_FAILED = "transfer_failed"
+    """The bytes did not arrive: the owner or its transport went away during the read."""
+    TIMEOUT = "timeout"
+    """The read did not finish in time."""
+    HASH_MISMATCH = "hash_mismatch"
+    """The bytes arrived hashing otherwise than the owner sealed them: not installed."""
+    LAYOUT_MISMATCH = "layout_mismatch"
+    """Owner and reader disagree on the block's pages (layout or page size)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFailure:
+    """One block a fetch did not install: why (for control flow) and the detail (for people)."""
+
+    reason: FetchFailure
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}"
+
+
 @dataclass(frozen=True, slots=True)
 class InstallResult:
-    """Outcome of installing fetched blocks: ``installed[i]`` for the i-th block, or the
-    reason it was refused in ``errors[i]`` (a hash mismatch, a full pool, ...)."""
+    """Outcome of installing fetched blocks: ``installed[i]`` for the i-th block, or why it
+    was refused in ``errors[i]``."""
 
     installed: tuple[StoredBlock | None, ...]
-    errors: tuple[str | None, ...]
+    errors: tuple[BlockFailure | None, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from tessera_ray.actors._leases import Lease as _Lease
+from tessera_ray.actors._leases import LeaseTable
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import Registration, Registrations, Replica, Tier
 from tessera_ray.actors.disk_blocks import DiskBlocks
@@ -124,23 +125,13 @@ class PoolService(TransferMixin):
         )
         self._resident: OrderedDict[_Key, BlockHash] = OrderedDict()  # least recently used first
         self._on_disk: dict[_Key, BlockHash] = {}
-        self._reservations: dict[int, _Lease] = {}
-        self._pins: dict[int, _Lease] = {}
+        self.leases = LeaseTable(clock)
         self._seeds: dict[str, int] = {}
         self.spills = self.restores = self.lost = self.transfers_in = self.bytes_in = 0
         self.rotten = 0
         self.transport: Transport | None = None
 
     # ------------------------------------------------------------------ helpers
-
-    @staticmethod
-    def _new_id(*tables: dict[int, _Lease]) -> int:
-        # Reservation and pin ids are capabilities (whoever holds one may commit or read it),
-        # so they are unguessable rather than sequential.
-        while True:
-            lease_id = secrets.randbits(62) + 1
-            if all(lease_id not in t for t in tables):
-                return lease_id
 
     def _seed(self, namespace: str) -> int:
         seed = self._seeds.get(namespace)
@@ -168,13 +159,10 @@ class PoolService(TransferMixin):
 
     def reap(self) -> int:
         """Release every expired reservation and pin; returns how many were reaped."""
-        now = self.clock()
-        reaped = 0
-        for table in (self._reservations, self._pins):
-            for lease_id in [i for i, lease in table.items() if lease.expires_at_s <= now]:
-                self._release(table.pop(lease_id))
-                reaped += 1
-        return reaped
+        expired = self.leases.expired()
+        for lease in expired:
+            self._release(lease)
+        return len(expired)
 
     def _release(self, lease: _Lease) -> None:
         for per_group in lease.handles:
@@ -217,12 +205,11 @@ class PoolService(TransferMixin):
             [pool.allocate_many(pool.layers_per_block) for pool in self.pools]
             for _ in range(num_blocks)
         ]
-        rid = self._new_id(self._reservations, self._pins)
-        self._reservations[rid] = _Lease(handles, self.clock() + lease)
-        return Reservation(rid, self.name, num_blocks, self._reservations[rid].expires_at_s)
+        rid, taken = self.leases.reserve(handles, lease)
+        return Reservation(rid, self.name, num_blocks, taken.expires_at_s)
 
     def abort(self, reservation_id: int) -> None:
-        lease = self._reservations.pop(reservation_id, None)
+        lease = self.leases.reservations.pop(reservation_id, None)
         if lease is not None:
             self._release(lease)
 
@@ -268,7 +255,7 @@ class PoolService(TransferMixin):
         payloads: np.ndarray | torch.Tensor,
     ) -> list[StoredBlock]:
         self.reap()
-        lease = self._reservations.get(reservation_id)
+        lease = self.leases.reservations.get(reservation_id)
         if lease is None:
             raise LeaseError(
                 f"reservation {reservation_id} is unknown or expired (its slots were returned); "
@@ -280,7 +267,7 @@ class PoolService(TransferMixin):
                 f"{len(token_keys)} blocks for a reservation of {len(lease.handles)}"
             )
         rows = self._payload_rows(payloads, len(token_keys))
-        del self._reservations[reservation_id]
+        del self.leases.reservations[reservation_id]
         stored = [
             self._seal(namespace, key, lease.handles[i], rows[i])
             for i, key in enumerate(token_keys)
@@ -463,15 +450,9 @@ class PoolService(TransferMixin):
         lease_s: float,
     ) -> PinTicket:
         """Register the references ``held`` as one pin lease; its ticket."""
-        pid = self._new_id(self._reservations, self._pins)
-        self._pins[pid] = _Lease(held, self.clock() + lease_s, namespace)
+        pid, lease = self.leases.pin(held, lease_s, namespace)
         return PinTicket(
-            pid,
-            self.name,
-            namespace,
-            tuple(blocks),
-            self._pins[pid].expires_at_s,
-            self.incarnation,
+            pid, self.name, namespace, tuple(blocks), lease.expires_at_s, self.incarnation
         )
 
     async def pin(
@@ -524,7 +505,7 @@ class PoolService(TransferMixin):
         return [list(h) for h in per_group if h is not None]
 
     def unpin(self, pin_id: int) -> bool:
-        lease = self._pins.pop(pin_id, None)
+        lease = self.leases.pins.pop(pin_id, None)
         if lease is None:
             return False
         self._release(lease)
@@ -589,7 +570,7 @@ class PoolService(TransferMixin):
 
     def read_pinned(self, pin_id: int) -> np.ndarray:
         """The pinned blocks' payloads, ``[blocks held, block_bytes]`` (the object-store path)."""
-        lease = self._pins.get(pin_id)
+        lease = self.leases.pins.get(pin_id)
         if lease is None:
             raise LeaseError(f"pin {pin_id} is unknown or expired; pin again")
         n = len(lease.handles)
@@ -781,8 +762,8 @@ class PoolService(TransferMixin):
             blocks_in_memory=len(self._resident),
             blocks_on_disk=len(self._on_disk),
             disk_bytes=disk_bytes,
-            reservations=len(self._reservations),
-            pins=len(self._pins),
+            reservations=len(self.leases.reservations),
+            pins=len(self.leases.pins),
             dedup_hits=sum(s.dedup_hits for s in stats),
             bytes_saved_by_dedup=sum(s.bytes_saved_by_dedup for s in stats),
             collisions=sum(s.collisions for s in stats),
@@ -800,10 +781,8 @@ class PoolService(TransferMixin):
         )
 
     async def close(self) -> None:
-        for table in (self._reservations, self._pins):
-            for lease in table.values():
-                self._release(lease)
-            table.clear()
+        for lease in self.leases.drain():
+            self._release(lease)
         if self.disk is not None:
             await self.disk.close()
         if self.transport is not None:

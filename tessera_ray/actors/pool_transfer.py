@@ -16,9 +16,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tessera_ray.actors._leases import Lease
+from tessera_ray.actors._leases import Lease, LeaseTable
 from tessera_ray.actors.directory import Tier
-from tessera_ray.actors.messages import InstallResult, PinnedBlock, PinTicket, StoredBlock
+from tessera_ray.actors.messages import (
+    BlockFailure,
+    FetchFailure,
+    InstallResult,
+    PinnedBlock,
+    PinTicket,
+    StoredBlock,
+)
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core import BlockPool, PageHandle, xxh3_128
 from tessera_ray.core.results import BlockHash, TokenKey
@@ -26,22 +33,17 @@ from tessera_ray.errors import PageShapeError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import PeerInfo, Transport
 from tessera_ray.transport.fetch import (
-    FailureReason,
-    FetchResult,
     PageExport,
+    PageFetchResult,
     fetch_verified_many,
 )
 
 if TYPE_CHECKING:
     from tessera_ray.actors.messages import Reservation
 
-__all__ = ["TransferMixin", "is_hash_mismatch"]
+__all__ = ["TransferMixin", "NOT_HELD"]
 
-
-def is_hash_mismatch(reason: str | None) -> bool:
-    """Whether a fetch's reason for a block says its bytes arrived hashing otherwise than the
-    owner sealed them (corrupted on the way, or rotted in the owner's memory)."""
-    return reason is not None and FailureReason.HASH_MISMATCH.value in reason
+NOT_HELD = BlockFailure(FetchFailure.NOT_HELD, "the owner does not hold it")
 
 
 class TransferMixin:
@@ -56,7 +58,7 @@ class TransferMixin:
     transfers_in: int
     bytes_in: int
     _resident: OrderedDict[tuple[str, bytes], BlockHash]
-    _reservations: dict[int, Lease]
+    leases: LeaseTable
     gate: TenantGate
 
     if TYPE_CHECKING:
@@ -96,7 +98,7 @@ class TransferMixin:
         rows = self._payload_rows(payloads, len(blocks))
         seed = self._seed(namespace)
         good: list[int] = []
-        errors: list[str | None] = [None] * len(blocks)
+        errors: list[BlockFailure | None] = [None] * len(blocks)
         for i, block in enumerate(blocks):
             bad = self._verify(rows[i], block, seed)
             if bad is not None:
@@ -115,21 +117,24 @@ class TransferMixin:
             self.bytes_in += len(good) * self.block_bytes
         return InstallResult(tuple(installed), tuple(errors))
 
-    def _verify(self, row: torch.Tensor, block: PinnedBlock, seed: int) -> str | None:
+    def _verify(self, row: torch.Tensor, block: PinnedBlock, seed: int) -> BlockFailure | None:
         view = row.numpy()
         offset = 0
         for g, pool in enumerate(self.pools):
             expected = block.content_hashes[g] if g < len(block.content_hashes) else ()
             if len(expected) != pool.layers_per_block:
-                return f"block {block.token_key[:4].hex()}: wrong page count for group {g}"
+                return BlockFailure(
+                    FetchFailure.LAYOUT_MISMATCH,
+                    f"block {block.token_key[:4].hex()}: wrong page count for group {g}",
+                )
             for layer, want in enumerate(expected):
                 page = view[offset : offset + pool.page_bytes]
                 offset += pool.page_bytes
                 if xxh3_128(memoryview(page.data), seed) != want:
-                    return (
-                        f"block {block.token_key[:4].hex()}...: {FailureReason.HASH_MISMATCH}: "
-                        f"page {layer} of group {g} does not match the owner's content hash; "
-                        "not installed"
+                    return BlockFailure(
+                        FetchFailure.HASH_MISMATCH,
+                        f"block {block.token_key[:4].hex()}...: page {layer} of group {g} does "
+                        "not match the owner's content hash; not installed",
                     )
         return None
 
@@ -146,7 +151,7 @@ class TransferMixin:
         owner_peer: str,
         timeout_s: float | None = None,
         reservation: Reservation | None = None,
-    ) -> list[str | None]:
+    ) -> list[BlockFailure | None]:
         """Read the blocks ``ticket`` pinned on another pool straight into reserved local slots
         (one transport request per layer group), verify every page's content hash, and name
         the blocks under their token keys. Per pinned block: ``None`` or why it failed. A
@@ -160,13 +165,13 @@ class TransferMixin:
             raise PageShapeError("no transport attached; use install() with the bytes instead")
         held = [b for b in ticket.blocks if b is not None]
         if not held:
-            return [None if b is not None else "not held by the owner" for b in ticket.blocks]
+            return [None if b is not None else NOT_HELD for b in ticket.blocks]
         lease = None
         if reservation is not None and reservation.num_blocks >= len(held):
-            lease = self._reservations.pop(reservation.id, None)  # None: it expired meanwhile
+            lease = self.leases.reservations.pop(reservation.id, None)  # None: it expired meanwhile
         if lease is None:
             res = await self.reserve(len(held))
-            lease = self._reservations.pop(res.id)
+            lease = self.leases.reservations.pop(res.id)
         # The fetch owns these slots from here on.
         if len(lease.handles) > len(held):
             self._release(Lease(lease.handles[len(held) :], 0.0))
@@ -193,21 +198,29 @@ class TransferMixin:
         self.transfers_in += len(stored)
         self.bytes_in += len(stored) * self.block_bytes
         reasons = iter(None if isinstance(o, StoredBlock) else o for o in outcome)
-        return [next(reasons) if b is not None else "not held by the owner" for b in ticket.blocks]
+        return [next(reasons) if b is not None else NOT_HELD for b in ticket.blocks]
 
     def _name_fetched(
-        self, namespace: str, held: Sequence[PinnedBlock], results: Sequence[FetchResult]
-    ) -> list[StoredBlock | str]:
+        self, namespace: str, held: Sequence[PinnedBlock], results: Sequence[PageFetchResult]
+    ) -> list[StoredBlock | BlockFailure]:
         pages: list[dict[int, PageHandle]] = [
             {f.position: f.handle for f in r.fetched} for r in results
         ]
-        errors: list[dict[int, str]] = [
-            {f.position: f"{f.reason}: {f.detail}" for f in r.failed} for r in results
+        errors: list[dict[int, BlockFailure]] = [
+            {
+                f.position: BlockFailure(
+                    FetchFailure(f.reason.value),
+                    f"block {held[f.position // pool.layers_per_block].token_key[:4].hex()}...: "
+                    f"{f.detail}",
+                )
+                for f in r.failed
+            }
+            for r, pool in zip(results, self.pools, strict=True)
         ]
-        out: list[StoredBlock | str] = []
+        out: list[StoredBlock | BlockFailure] = []
         for i, block in enumerate(held):
             per_group: list[list[PageHandle]] = []
-            error: str | None = None
+            error: BlockFailure | None = None
             for g, pool in enumerate(self.pools):
                 span = range(i * pool.layers_per_block, (i + 1) * pool.layers_per_block)
                 per_group.append([pages[g][p] for p in span if p in pages[g]])
@@ -231,7 +244,7 @@ class TransferMixin:
                 if registered:
                     self._resident[(namespace, block.token_key)] = block.block_hash
             else:
-                out.append(f"block {block.token_key[:4].hex()}...: {error}")
+                out.append(error)
             for pool, handles in zip(self.pools, per_group, strict=True):
                 pool.release_many(handles)  # named blocks wait in the LRU; unnamed pages drain
         return out

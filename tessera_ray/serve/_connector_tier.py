@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tessera_ray.actors.channel import ChannelClient, ChannelError
+from tessera_ray.actors.channel import ChannelClient, ChannelError, send_if_open
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.links import LocalDirectory
 from tessera_ray.actors.messages import BlockCheck, BlockReads, PinTicket
@@ -364,14 +364,8 @@ class RayTier(TierBackend):
         return result
 
     async def _unpin(self, pin_id: int) -> None:
-        channel = self._channel
-        if channel is not None and not channel.closed:
-            try:
-                channel.send("unpin", pin_id)
-                return
-            except ChannelError:
-                pass
-        self._pool_actor.unpin.remote(pin_id)
+        if not send_if_open(self._channel, "unpin", pin_id):
+            self._pool_actor.unpin.remote(pin_id)
 
     def read(self, namespace: str, keys: Sequence[TokenKey]) -> BlockReads:
         reader = self._reader

@@ -52,7 +52,7 @@ __all__ = [
     "FailureReason",
     "FetchedPage",
     "FailedPage",
-    "FetchResult",
+    "PageFetchResult",
     "fetch_verified",
     "fetch_verified_many",
 ]
@@ -138,8 +138,9 @@ class FailedPage(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class FetchResult:
-    """Outcome of one verified fetch; every exported page is in exactly one of the two lists."""
+class PageFetchResult:
+    """Outcome of one verified page fetch (a transport read of one export); every exported page
+    is in exactly one of the two lists. Per block and across pools: the client's ``FetchResult``."""
 
     fetched: tuple[FetchedPage, ...]
     failed: tuple[FailedPage, ...]
@@ -180,11 +181,11 @@ def _page_views(pool: BlockPool, slots: list[int]) -> list[memoryview]:
 
 def _all_failed(
     export: PageExport, reason: FailureReason, detail: str, withheld: int = 0
-) -> FetchResult:
+) -> PageFetchResult:
     failed = tuple(
         FailedPage(i, ContentHash(c), reason, detail) for i, c in enumerate(export.content_hashes)
     )
-    return FetchResult((), failed, 0, withheld)
+    return PageFetchResult((), failed, 0, withheld)
 
 
 @dataclass(slots=True)
@@ -201,7 +202,7 @@ class _Pending:
     """``(first position, end position, ticket)`` per read, in order."""
     next_chunk: int = 0
     """Chunks before it are settled (their pages sealed or released)."""
-    done: FetchResult | None = None
+    done: PageFetchResult | None = None
 
 
 def fetch_verified(
@@ -211,7 +212,7 @@ def fetch_verified(
     local: Sequence[PageHandle] | None = None,
     timeout_s: float | None = None,
     content_hash: ContentHashFn = xxh3_128,
-) -> FetchResult:
+) -> PageFetchResult:
     """Read ``export``'s pages into the transport's pool of ``export.group``, verify, seal.
 
     ``local`` are reserved writable pages of that pool, one per exported page; ``None``
@@ -235,7 +236,7 @@ def fetch_verified_many(
     local: Sequence[Sequence[PageHandle]] | None = None,
     timeout_s: float | None = None,
     content_hash: ContentHashFn = xxh3_128,
-) -> list[FetchResult]:
+) -> list[PageFetchResult]:
     """:func:`fetch_verified` of several exports (one per layer group, or per owner): every
     read is posted before the first is waited for, so they overlap where the backend allows.
     ``timeout_s`` bounds the whole call. Slots are reserved for all exports before any read."""
@@ -297,7 +298,7 @@ def _reserve(
         )
         return _Pending(export, pool, [], [], done=done)
     if not len(export):
-        return _Pending(export, pool, [], [], done=FetchResult((), (), 0))
+        return _Pending(export, pool, [], [], done=PageFetchResult((), (), 0))
     # The read hashes the landed pages only for a host pool that seals with the owner's hash:
     # a device pool's bytes would be staged page by page to the host, where one batched copy
     # in _finish does better.
@@ -342,7 +343,7 @@ def _start(transport: Transport, p: _Pending) -> None:
 
 def _fail_from(
     transport: Transport, p: _Pending, chunk: int, err: TransportError, failed_safe: bool | None
-) -> FetchResult:
+) -> PageFetchResult:
     """Chunks from ``chunk`` on failed with ``err``: chunk ``chunk`` is the read that failed
     (its slots safe or not; ``None`` when no read failed but one could not start), later ones
     are aborted. Every slot that can no longer be written is released, the rest withheld."""
@@ -371,7 +372,7 @@ def _fail_from(
         FailedPage(i, ContentHash(e.content_hashes[i]), reason, str(err))
         for i in range(start, len(e))
     )
-    return FetchResult((), failed, 0, withheld)
+    return PageFetchResult((), failed, 0, withheld)
 
 
 def _drop(transport: Transport, p: _Pending) -> None:
@@ -385,7 +386,7 @@ def _drop(transport: Transport, p: _Pending) -> None:
         if not p.chunks:
             release = p.handles
         p.pool.release_many(release)
-    p.done = p.done or FetchResult((), (), 0)
+    p.done = p.done or PageFetchResult((), (), 0)
 
 
 def _mismatch(export: PageExport, i: int, got: int | None) -> FailedPage:
@@ -402,7 +403,7 @@ def _mismatch(export: PageExport, i: int, got: int | None) -> FailedPage:
 
 def _finish(
     transport: Transport, p: _Pending, deadline: float, content_hash: ContentHashFn
-) -> FetchResult:
+) -> PageFetchResult:
     if p.done is not None:
         return p.done
     export, pool, handles = p.export, p.pool, p.handles
@@ -454,5 +455,5 @@ def _finish(
             pool.release_many([handles[f.position] for f in bad])
             failed += bad
     failed.sort(key=lambda f: f.position)
-    p.done = FetchResult(tuple(fetched), tuple(failed), landed * pool.page_bytes, withheld)
+    p.done = PageFetchResult(tuple(fetched), tuple(failed), landed * pool.page_bytes, withheld)
     return p.done

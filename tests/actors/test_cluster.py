@@ -15,7 +15,7 @@ import ray
 from tessera_ray.actors.client import TesseraClient, this_node
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig
 from tessera_ray.actors.directory import Tier
-from tessera_ray.actors.messages import PoolStatus
+from tessera_ray.actors.messages import FetchFailure, PoolStatus
 from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.transport import PeerInfo
@@ -153,7 +153,7 @@ def test_slots_reserved_beside_the_pin_for_blocks_the_owner_lacks_are_freed(
     before = _status(tier, n3)
     reasons = ray.get(tier.pool(n3).fetch_from.remote(n1, "partial", keys))
     assert reasons[:2] == [None, None]
-    assert all(r is not None and "not held" in r for r in reasons[2:])
+    assert all(r is not None and r.reason is FetchFailure.NOT_HELD for r in reasons[2:])
     after = _status(tier, n3)
     assert after.reservations == 0 and after.pins == 0
     assert after.blocks_in_memory == before.blocks_in_memory + 2

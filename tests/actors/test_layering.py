@@ -9,7 +9,7 @@ from pathlib import Path
 import tessera_ray.actors
 from tests._imports import assert_loads_without
 
-SHELLS = {"_ray_names.py", "client.py", "directory_actor.py", "pool_actor.py"}
+SHELLS = {"_ray_names.py", "_ray_owner.py", "client.py", "directory_actor.py", "pool_actor.py"}
 
 
 def _imports_ray(path: Path) -> bool:
@@ -32,5 +32,10 @@ def test_only_the_shells_import_ray() -> None:
 
 def test_plain_classes_load_without_ray() -> None:
     assert_loads_without(
-        ("tessera_ray.actors.pool_service", "tessera_ray.actors.directory"), ("ray",)
+        (
+            "tessera_ray.actors.pool_service",
+            "tessera_ray.actors.directory",
+            "tessera_ray.actors.fetcher",
+        ),
+        ("ray",),
     )

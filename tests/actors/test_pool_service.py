@@ -4,9 +4,7 @@ eviction with disk spill, restart from disk."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -14,34 +12,10 @@ import pytest
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import Tier
 from tessera_ray.actors.links import LocalDirectory
+from tessera_ray.actors.messages import FetchFailure
 from tessera_ray.actors.pool_service import PoolService
-from tessera_ray.core import token_key
 from tessera_ray.errors import LeaseError, PageShapeError, PoolExhaustedError
-from tessera_ray.layout import MLAConfig, build_layout
-
-LAYOUT = build_layout(MLAConfig(name="tiny-mla", num_layers=2, num_heads=4))
-NS = "tenant-a"
-T = TypeVar("T")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def keys(n: int, ns: str = NS, start: int = 0) -> list[bytes]:
-    out, parent = [], None
-    for i in range(start, start + n):
-        parent = token_key(ns, LAYOUT.fingerprint, parent, [i] * 64)
-        out.append(parent)
-    return out
-
-
-def payloads(n: int, seed: int, block_bytes: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+from tests.actors._pools import LAYOUT, NS, Clock, keys, payloads, run
 
 
 def make(
@@ -54,10 +28,6 @@ def make(
 ) -> PoolService:
     cfg = PoolServiceConfig(num_blocks=num_blocks, disk_root=disk, lease_s=10.0)
     return PoolService(name, LAYOUT, cfg, directory=directory, clock=clock or Clock())
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
 
 
 def test_store_pin_read_round_trip() -> None:
@@ -125,7 +95,7 @@ def test_pinned_blocks_are_never_evicted_and_pins_expire() -> None:
     clock.now += 11
     res = run(pool.reserve(1))  # the pin expired: its blocks became evictable
     assert res.num_blocks == 1 and pool.status().pins == 0
-    assert ticket.id not in pool._pins
+    assert ticket.id not in pool.leases.pins
 
 
 def test_a_resident_pin_needs_no_await_and_a_spilled_block_takes_the_full_pin(
@@ -182,7 +152,9 @@ def test_install_verifies_every_page_against_the_owner() -> None:
     moved[1, 100] ^= 0xFF  # corrupted in flight
     result = run(reader.install(NS, list(ticket.blocks), moved))
     assert result.installed[0] is not None and result.errors[0] is None
-    assert result.installed[1] is None and "does not match" in (result.errors[1] or "")
+    assert result.installed[1] is None and result.errors[1] is not None
+    assert result.errors[1].reason is FetchFailure.HASH_MISMATCH
+    assert "does not match" in result.errors[1].detail
     assert reader.contains(NS, ks) == [Tier.MEMORY, None]
     got = run(reader.pin(NS, ks[:1]))
     assert np.array_equal(reader.read_pinned(got.id), data[:1])

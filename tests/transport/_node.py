@@ -13,8 +13,8 @@ import torch
 from tessera_ray.core import BlockPool, PageHandle, PoolConfig, PoolStats
 from tessera_ray.layout import CacheSpec, DType, EntryFormat, PageSpec, Region, Scheme
 from tessera_ray.transport import (
-    FetchResult,
     PageExport,
+    PageFetchResult,
     PeerInfo,
     Transport,
     TransportConfig,
@@ -123,7 +123,7 @@ class Node:
         self.pools[group].release_many(handles)
 
     # ---------------------------------------------------------------- reader side
-    def fetch(self, export: PageExport, timeout_s: float | None = None) -> FetchResult:
+    def fetch(self, export: PageExport, timeout_s: float | None = None) -> PageFetchResult:
         return fetch_verified(self.transport, export, timeout_s=timeout_s)
 
     def read_pages(self, handles: list[PageHandle], group: int = 0) -> list[bytes]:

@@ -1,0 +1,41 @@
+"""What the PoolService tests share: a tiny MLA layout, a settable clock, chained keys,
+random payloads, and running a coroutine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tessera_ray.core import token_key
+from tessera_ray.layout import MLAConfig, build_layout
+
+LAYOUT = build_layout(MLAConfig(name="tiny-mla", num_layers=2, num_heads=4))
+NS = "tenant-a"
+T = TypeVar("T")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def keys(n: int, ns: str = NS, start: int = 0) -> list[bytes]:
+    out, parent = [], None
+    for i in range(start, start + n):
+        parent = token_key(ns, LAYOUT.fingerprint, parent, [i] * 64)
+        out.append(parent)
+    return out
+
+
+def payloads(n: int, seed: int, block_bytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
