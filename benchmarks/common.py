@@ -185,7 +185,7 @@ def start_local_ray(
     *, object_store_bytes: int | None = None, pythonpath: tuple[str, ...] = ()
 ) -> None:
     """An embedded Ray for one benchmark: 2 CPUs, every address on 127.0.0.1, no dashboard.
-    Workers skip UCX's IB module (it can crash a process at exit here, REFERENCE.md) and get
+    Workers skip UCX's IB module (it can crash a process at exit here, docs/reference.md) and get
     ``pythonpath`` when they import the repository's or this folder's modules by name."""
     import ray
 

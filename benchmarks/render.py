@@ -26,8 +26,62 @@ def _fmt(value: float | None) -> str:
     return f"{value:,.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
 
 
+def limits(docs: list[dict[str, Any]]) -> str:
+    """What machines the results come from, and, where none had a GPU, what they cannot say."""
+    machines = sorted(
+        {
+            (
+                d["machine"].get("cpus"),
+                round(d["machine"].get("mem_total_kib", 0) / 2**20),
+                d["machine"].get("cuda") or "no GPU",
+            )
+            for d in docs
+        },
+        key=str,
+    )
+    listed = "; ".join(f"{c} CPUs, {m} GiB, {g}" for c, m, g in machines)
+    text = f"Machines these results were measured on: {listed}.\n"
+    if all(not d["machine"].get("cuda") for d in docs):
+        text += """
+What they cannot say: with no GPU and no RDMA NIC, NIXL moved bytes over UCX's TCP and
+shared-memory transports between processes of one host, and the engines were vLLM's CPU build
+on tiny random-weight models. Nothing here measures reads over RDMA or from GPU memory, FlashMLA
+or FlashInfer decode on pool pages, or a GPU engine's prefill against a tier load. Ratios against
+a same-run baseline (memcpy, raw xxh3, raw NIXL, the Ray object store) carry over better than
+absolute figures; the GPU checks (`benchmarks/gpu_check.sh`) have not run on a GPU yet.
+"""
+    return text
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    target, ratio = row.get("target_ratio"), row.get("ratio")
+    if ratio is None:
+        return "not measured"
+    return "met" if ratio >= target else "MISSED"
+
+
+def summary(docs: list[dict[str, Any]]) -> list[str]:
+    """One line per row that has a target: the verdict at a glance, details in its section."""
+    lines = [
+        "## Summary\n",
+        "Every row with a target, from the sections below.\n",
+        "| benchmark | row | ratio | target | verdict |",
+        "|---|---|---:|---:|---|",
+    ]
+    for doc in sorted(docs, key=lambda d: d["benchmark"]):
+        for r in doc["rows"]:
+            if r.get("target_ratio") is None:
+                continue
+            lines.append(
+                f"| {doc['benchmark']} | {r['name']} | {_fmt(r.get('ratio'))} | "
+                f">= {_fmt(r['target_ratio'])} | {_verdict(r)} |"
+            )
+    lines.append("")
+    return lines
+
+
 def render(docs: list[dict[str, Any]]) -> str:
-    parts = [HEADER]
+    parts = [HEADER, limits(docs), *summary(docs)]
     for doc in sorted(docs, key=lambda d: d["benchmark"]):
         m = doc["machine"]
         parts.append(f"## {doc['benchmark']}\n")

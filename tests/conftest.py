@@ -2,7 +2,7 @@
 on 127.0.0.1 (``ray.cluster_utils.Cluster``), sized for a 2-core, 24 GiB machine.
 
 ``UCX_MODULES=^ib`` is set before anything imports NIXL: with system libibverbs present a
-process holding a UCX backend can crash at exit otherwise (REFERENCE.md). Ray workers get it,
+process holding a UCX backend can crash at exit otherwise (docs/reference.md). Ray workers get it,
 and the repository on ``PYTHONPATH``, through the job's runtime environment.
 """
 

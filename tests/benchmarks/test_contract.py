@@ -20,7 +20,9 @@ def test_baselines_quick_writes_contract_json(tmp_path: Path) -> None:
         sys.path.pop(0)
     page = render([doc])
     assert "## baselines" in page and "`python benchmarks/bench_baselines.py --quick`" in page
-    assert page.count("\n| ") == 1 + len(names)  # header row + one per result row
+    section = page[page.index("## baselines") :]
+    assert section.count("\n| ") == 1 + len(names)  # header row + one per result row
+    assert "no GPU" in page and "What they cannot say" in page
 
 
 def test_render_marks_missed_targets() -> None:
@@ -45,5 +47,6 @@ def test_render_marks_missed_targets() -> None:
         "rows": [row],
     }
     assert "| x |" in render([doc]) and " MISSED |" in render([doc])
+    assert "| b | x | 0.5 | >= 0.8 | MISSED |" in render([doc])  # the summary's line
     row["target_ratio"] = 0.4
-    assert " MISSED |" not in render([doc])
+    assert " MISSED |" not in render([doc]) and "| b | x | 0.5 | >= 0.4 | met |" in render([doc])

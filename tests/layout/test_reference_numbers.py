@@ -1,4 +1,4 @@
-"""Every number of REFERENCE.md's byte-accounting section, pinned exactly.
+"""Every number of docs/reference.md's byte accounting, pinned exactly.
 
 Where a seed document prints a different figure, the test asserts the exact value and its
 docstring says why the seed differs.
@@ -94,7 +94,7 @@ def test_fp8_mla_layouts_by_context() -> None:
     """The seed's FP8 rows (1.21, 4.84, 19.4, 38.7 GiB) match neither a 640 B/layer layout
     (512 fp8 + 64 bf16) nor FlashMLA's 656 B fp8_ds_mla: both are computed here exactly.
 
-    REFERENCE.md lists the 656 B layout at 128K as 4.89 GiB; the exact value is
+    A published table lists the 656 B layout at 128K as 4.89 GiB; the exact value is
     131,072 x 40,016 B = 5,244,977,152 B = 4.8848 GiB, which rounds to 4.88."""
     contexts = [32 << 10, 128 << 10, 512 << 10, 1 << 20]
     plain = preset_layout("deepseek-v3", format="mla-fp8")

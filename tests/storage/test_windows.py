@@ -11,7 +11,7 @@ TOKENS_32K = 32_768
 
 
 def test_v4_flash_32k_bytes_per_strategy() -> None:
-    # V4-Flash: 43 layers keep a 128-token window (REFERENCE.md); v4-model1 entries are 584 B.
+    # V4-Flash: 43 layers keep a 128-token window (docs/reference.md); v4-model1 entries are 584 B.
     model1 = preset_layout("deepseek-v4-flash", format="v4-model1")
     paper = preset_layout("deepseek-v4-flash", format="v4-paper")
     assert window_write_bytes(model1, TOKENS_32K, WindowStrategy.DROP) == 0

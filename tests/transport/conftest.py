@@ -1,7 +1,7 @@
 """Shared pieces of the transport tests: one local Ray cluster per session, small pools.
 
 ``UCX_MODULES=^ib`` is set here, before anything imports NIXL: with system libibverbs present a
-process holding a UCX backend can crash at exit otherwise (REFERENCE.md). Ray workers get it,
+process holding a UCX backend can crash at exit otherwise (docs/reference.md). Ray workers get it,
 and the repository on ``PYTHONPATH``, through the job's runtime environment.
 """
 

@@ -45,7 +45,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 BLOCK = 64  # the tier's block for MLA (FlashMLA's page); the engine's may differ
-HEAD = 576  # kv_lora_rank 512 + qk_rope_head_dim 64 (REFERENCE.md)
+HEAD = 576  # kv_lora_rank 512 + qk_rope_head_dim 64 (docs/reference.md)
 NUM_LAYERS = 2
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
 SAMPLED = 5
