@@ -35,7 +35,7 @@ from tessera_ray.actors.directory import (
     Tier,
 )
 from tessera_ray.actors.directory_actor import DirectoryActor
-from tessera_ray.actors.links import group_by_shard
+from tessera_ray.actors.links import sharded_lookup
 from tessera_ray.actors.messages import (
     BlockCheck,
     BlockFailure,
@@ -330,23 +330,18 @@ class TesseraClient:
         """One call per shard. A shard that is down (restarting) answers with misses, or
         raises :class:`DirectoryUnavailableError` when ``strict`` (a caller that must tell "not
         held" from "not known", such as a request router)."""
-        out: list[LookupResult | None] = [None] * len(token_keys)
-        groups = group_by_shard(token_keys, self.config.num_shards)
 
-        async def ask(s: int, idx: list[int]) -> None:
-            ref = self.shard(s).lookup.remote(namespace, [token_keys[i] for i in idx])
+        async def ask(s: int, keys: list[TokenKey]) -> Any:
+            ref = self.shard(s).lookup.remote(namespace, keys)
             try:
-                answer = await asyncio.wait_for(ref, _CALL_TIMEOUT_S)
+                return await asyncio.wait_for(ref, _CALL_TIMEOUT_S)
             except (*_DEAD, TimeoutError) as exc:
                 if strict:
                     raise DirectoryUnavailableError(f"directory shard {s}: {exc}") from exc
                 log.warning("directory shard %d unavailable: %s; answering misses", s, exc)
-                return
-            for i, r in zip(idx, answer, strict=True):
-                out[i] = r
+                return None
 
-        await asyncio.gather(*(ask(s, idx) for s, idx in groups.items()))
-        return out
+        return await sharded_lookup(token_keys, self.config.num_shards, ask)
 
     async def apurge_pool(self, pool: str) -> None:
         async def purge(s: int) -> None:

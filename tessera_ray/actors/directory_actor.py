@@ -26,7 +26,7 @@ from tessera_ray.actors.directory import (
     Tier,
 )
 from tessera_ray.actors.exporter import export_directory_stats
-from tessera_ray.actors.links import group_by_shard
+from tessera_ray.actors.links import group_by_shard, sharded_lookup
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.metrics import get_metrics
@@ -281,15 +281,7 @@ class ShardedDirectory:
     async def lookup(
         self, namespace: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
-        out: list[LookupResult | None] = [None] * len(token_keys)
-        groups = group_by_shard(token_keys, self.num_shards)
-        answers = await asyncio.gather(
-            *(
-                self._call(s, "lookup", namespace, [token_keys[i] for i in idx])
-                for s, idx in groups.items()
-            )
-        )
-        for idx, answer in zip(groups.values(), answers, strict=True):
-            for i, r in zip(idx, answer or [None] * len(idx), strict=True):
-                out[i] = r
-        return out
+        async def ask(s: int, keys: list[TokenKey]) -> Any:
+            return await self._call(s, "lookup", namespace, keys)
+
+        return await sharded_lookup(token_keys, self.num_shards, ask)

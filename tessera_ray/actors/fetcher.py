@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,6 +47,7 @@ from tessera_ray.errors import (
     TransportConfigError,
     TransportError,
 )
+from tessera_ray.metrics import Metrics
 from tessera_ray.transport import PeerInfo
 
 if TYPE_CHECKING:
@@ -107,11 +109,39 @@ class Fetcher:
     """Runs the fetch protocol (module docstring) for one pool, against owners reached through
     ``link_to(owner_name)``."""
 
-    def __init__(self, svc: PoolService, link_to: Callable[[str], OwnerLink]) -> None:
+    def __init__(
+        self,
+        svc: PoolService,
+        link_to: Callable[[str], OwnerLink],
+        metrics: Metrics | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
         self.svc = svc
         self._link_to = link_to
+        self._metrics = metrics
+        self._tags = tags or {}
         self._incarnations: dict[str, int] = {}
         self._reports: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly
+
+    async def fetch(
+        self, owner_name: str, access: Access, keys: list[TokenKey], timeout_s: float
+    ) -> list[BlockFailure | None]:
+        """:meth:`pull`, counted in the transfer metrics; ``owner_name`` this pool itself
+        (a disk replica here) restores the blocks from disk instead."""
+        self.svc.gate.resolve(access, write=False)
+        if owner_name == self.svc.name:  # pinning restores a disk-only block
+            ticket = await self.svc.pin(access, keys)
+            self.svc.unpin(ticket.id)
+            return [None if b is not None else NOT_HELD for b in ticket.blocks]
+        began = time.perf_counter()
+        reasons = await self.pull(owner_name, access, keys, timeout_s)
+        if self._metrics is not None:
+            installed = sum(r is None for r in reasons)
+            m, tags = self._metrics, self._tags
+            m.observe("tessera_transfer_latency_seconds", time.perf_counter() - began, tags)
+            m.inc("tessera_transfer_bytes", installed * self.svc.block_bytes, tags)
+            m.inc("tessera_transfer_errors", len(reasons) - installed, tags)
+        return reasons
 
     async def pull(
         self, owner_name: str, access: Access, keys: list[TokenKey], timeout_s: float

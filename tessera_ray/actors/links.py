@@ -3,14 +3,15 @@ that calls the shard actors; tests and single-process use pass :class:`LocalDire
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from tessera_ray.actors.directory import DirectoryShard, LookupResult, Registration, Tier, shard_of
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core.results import BlockHash, TokenKey
 
-__all__ = ["DirectoryLink", "LocalDirectory", "group_by_shard"]
+__all__ = ["DirectoryLink", "LocalDirectory", "group_by_shard", "sharded_lookup"]
 
 
 class DirectoryLink(Protocol):
@@ -33,6 +34,25 @@ def group_by_shard(token_keys: Sequence[bytes], num_shards: int) -> dict[int, li
     return out
 
 
+async def sharded_lookup(
+    token_keys: Sequence[TokenKey],
+    num_shards: int,
+    ask: Callable[[int, list[TokenKey]], Awaitable[Sequence[LookupResult | None] | None]],
+) -> list[LookupResult | None]:
+    """Answers aligned with ``token_keys``: ``ask(shard, its keys)`` once per shard that owns any,
+    all at once; a shard answering ``None`` (unavailable) leaves its keys as misses."""
+    out: list[LookupResult | None] = [None] * len(token_keys)
+    groups = group_by_shard(token_keys, num_shards)
+    answers = await asyncio.gather(
+        *(ask(s, [token_keys[i] for i in idx]) for s, idx in groups.items())
+    )
+    for idx, answer in zip(groups.values(), answers, strict=True):
+        if answer is not None:
+            for i, r in zip(idx, answer, strict=True):
+                out[i] = r
+    return out
+
+
 class LocalDirectory:
     """In-process shards behind the :class:`DirectoryLink` protocol."""
 
@@ -52,10 +72,7 @@ class LocalDirectory:
     async def lookup(
         self, namespace: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
-        out: list[LookupResult | None] = [None] * len(token_keys)
-        for shard, idx in group_by_shard(token_keys, len(self.shards)).items():
-            for i, r in zip(
-                idx, self.shards[shard].lookup(namespace, [token_keys[i] for i in idx]), strict=True
-            ):
-                out[i] = r
-        return out
+        async def ask(shard: int, keys: list[TokenKey]) -> list[LookupResult | None]:
+            return self.shards[shard].lookup(namespace, keys)
+
+        return await sharded_lookup(token_keys, len(self.shards), ask)

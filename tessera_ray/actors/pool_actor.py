@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,6 @@ from tessera_ray.actors.messages import (
     StoredBlock,
 )
 from tessera_ray.actors.pool_service import PoolService
-from tessera_ray.actors.pool_transfer import NOT_HELD
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
 from tessera_ray.core.results import TokenKey
@@ -83,10 +81,12 @@ class PoolActor:
             content_hash=content_hash or xxh3_128,
             gate=TenantGate(tenant_secret),
         )
-        self._links = RayOwnerLinks(name, ray_namespace, self.directory, config.pin_channel)
-        self.fetcher = Fetcher(self.svc, self._links.link)
-        self._channel_server: ChannelServer | None = None
         self.metrics = get_metrics()
+        self._links = RayOwnerLinks(name, ray_namespace, self.directory, config.pin_channel)
+        self.fetcher = Fetcher(
+            self.svc, self._links.link, self.metrics, pool_tags(ray_namespace, name, node)
+        )
+        self._channel_server: ChannelServer | None = None
         # One-sided reads need NIXL; without it (or with kind "ray") blocks move through the
         # object store (read_pinned + install), verified the same way.
         self.peer: PeerInfo | None = None
@@ -279,16 +279,4 @@ class PoolActor:
         (installed or already here) or why not. The caller's access is checked here and again
         by the owner."""
         await self._start()
-        self.svc.gate.resolve(namespace, write=False)
-        if owner_name == self.svc.name:  # a disk replica here: pinning restores it
-            ticket = await self.svc.pin(namespace, keys)
-            self.svc.unpin(ticket.id)
-            return [None if b is not None else NOT_HELD for b in ticket.blocks]
-        began = time.perf_counter()
-        reasons = await self.fetcher.pull(owner_name, namespace, keys, timeout_s)
-        tags = pool_tags(self.ray_namespace, self.svc.name, self.svc.node)
-        self.metrics.observe("tessera_transfer_latency_seconds", time.perf_counter() - began, tags)
-        installed = sum(r is None for r in reasons)
-        self.metrics.inc("tessera_transfer_bytes", installed * self.svc.block_bytes, tags)
-        self.metrics.inc("tessera_transfer_errors", len(reasons) - installed, tags)
-        return reasons
+        return await self.fetcher.fetch(owner_name, namespace, keys, timeout_s)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from tessera_ray.actors._eviction import eviction_plan
 from tessera_ray.actors._leases import Lease as _Lease
 from tessera_ray.actors._leases import LeaseTable
 from tessera_ray.actors.config import PoolServiceConfig
@@ -600,27 +601,12 @@ class PoolService(TransferMixin):
         # Only the least recently used few are considered (and asked about in one directory
         # call per namespace), not the whole pool: eviction cost stays bounded by the request.
         candidates = list(itertools.islice(self._resident, max(4 * num_blocks, 64)))
-        replicated: set[_Key] = set()
-        durable: set[_Key] = {k for k in candidates if k in self._on_disk}
-        if self.directory is not None and candidates:
-            by_ns: dict[str, list[_Key]] = {}
-            for k in candidates:
-                by_ns.setdefault(k[0], []).append(k)
-            for ns, keys in by_ns.items():
-                results = await self.directory.lookup(
-                    self.gate.for_pool(ns), [TokenKey(k[1]) for k in keys]
-                )
-                for k, r in zip(keys, results, strict=True):
-                    others = [rep for rep in (r.replicas if r else ()) if rep.pool != self.name]
-                    if any(rep.tier == Tier.MEMORY for rep in others):
-                        replicated.add(k)
-                    if any(rep.tier == Tier.DISK for rep in others):
-                        durable.add(k)
-        if self.disk is None:
-            durable |= replicated  # nowhere to spill: another pool's copy is the best there is
-        # Cheapest to lose first: durable elsewhere (no write), then held in another pool's
-        # memory (still served from there), then the rest; least recently used within each.
-        order = sorted(candidates, key=lambda k: (k not in durable, k not in replicated))
+        order, durable = eviction_plan(
+            candidates,
+            self._on_disk,
+            await self._replicas_elsewhere(candidates),
+            has_disk=self.disk is not None,
+        )
         dropped: list[BlockRef] = []
         spill: dict[str, list[tuple[TokenKey, BlockHash, bytes]]] = {}
         for ns, key in order:
@@ -664,6 +650,23 @@ class PoolService(TransferMixin):
             if gone:
                 await self.directory.drop(self.name, gone, Tier.MEMORY)
         return EvictionReport(tuple(dropped), tuple(spilled), tuple(lost))
+
+    async def _replicas_elsewhere(self, keys: Sequence[_Key]) -> dict[_Key, list[Replica]]:
+        """Per block, the replicas the directory knows on other pools (one lookup per
+        namespace)."""
+        out: dict[_Key, list[Replica]] = {}
+        if self.directory is None or not keys:
+            return out
+        by_ns: dict[str, list[_Key]] = {}
+        for k in keys:
+            by_ns.setdefault(k[0], []).append(k)
+        for ns, in_ns in by_ns.items():
+            results = await self.directory.lookup(
+                self.gate.for_pool(ns), [TokenKey(k[1]) for k in in_ns]
+            )
+            for k, r in zip(in_ns, results, strict=True):
+                out[k] = [rep for rep in (r.replicas if r else ()) if rep.pool != self.name]
+        return out
 
     def _evict_block(self, namespace: str, key: TokenKey) -> bytes | None:
         """The block's payload (every layer's page, in order) and its eviction from memory;

@@ -213,3 +213,21 @@ def test_a_restarted_owner_is_met_afresh() -> None:
         assert pair.reader_clean()
     finally:
         pair.close()
+
+
+def test_a_fetch_is_counted_in_the_transfer_metrics(pair: Pair) -> None:
+    from tessera_ray.metrics import Metrics, PrometheusBackend
+
+    backend = PrometheusBackend()
+    tags = {"ray_namespace": "t", "pool": pair.reader.name, "node": "n"}
+    fetcher = Fetcher(pair.reader, lambda name: pair.link, Metrics(backend), tags)
+    absent = keys(1, start=40)
+    reasons = run(fetcher.fetch(pair.owner.name, NS, [*pair.keys[:2], *absent], 5.0))
+    assert [r is None for r in reasons] == [True, True, False]
+
+    def sample(name: str) -> float | None:
+        return backend.registry.get_sample_value(name, tags)
+
+    assert sample("tessera_transfer_bytes_total") == 2 * pair.reader.block_bytes
+    assert sample("tessera_transfer_errors_total") == 1
+    assert sample("tessera_transfer_latency_seconds_count") == 1
