@@ -1,7 +1,7 @@
 """The benchmark contract every ``benchmarks/bench_*.py`` follows.
 
-Each benchmark runs alone (``python benchmarks/bench_x.py [--quick] [--out FILE]``); ``--quick``
-finishes within a minute on a 2-core machine. It writes one JSON document::
+Each benchmark runs alone (``python benchmarks/bench_<name>.py [--quick] [--out FILE]``);
+``--quick`` finishes within a minute on a 2-core machine. It writes one JSON document::
 
     {"benchmark": NAME, "machine": {...}, "command": "...", "quick": bool,
      "rows": [{"name", "value", "unit", "baseline", "baseline_value", "ratio", "target_ratio"}]}

@@ -12,36 +12,30 @@ Actor names: ``tessera-dir-<i>`` and ``tessera-pool-<node>-<i>`` in the tier's R
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
-from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar, cast
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from tessera_ray.actors._client_nodes import inherited_raylet_node, pool_specs
+from tessera_ray.actors._client_plan import FetchPlan, FetchResult, assign_holders, merge_partials
+from tessera_ray.actors._client_sync import blocking, run_blocking
 from tessera_ray.actors._ray_names import CALL_TIMEOUT_S as _CALL_TIMEOUT_S
 from tessera_ray.actors._ray_names import DEAD as _DEAD
 from tessera_ray.actors._ray_names import DIR_PREFIX, POOL_PREFIX
 from tessera_ray.actors._ray_names import shard_name as _shard_name
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig
-from tessera_ray.actors.directory import (
-    DirectoryStats,
-    LookupResult,
-    Tier,
-)
+from tessera_ray.actors.directory import DirectoryStats, LookupResult
 from tessera_ray.actors.directory_actor import DirectoryActor
 from tessera_ray.actors.links import sharded_lookup
 from tessera_ray.actors.messages import (
     BlockCheck,
-    BlockFailure,
     BlockReads,
     EvictionReport,
-    FetchFailure,
     PoolStatus,
     StoredBlock,
 )
@@ -64,22 +58,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class FetchResult:
-    """Per requested key: where it is now available in the target pool, or why not."""
-
-    pool: str
-    local_hits: tuple[TokenKey, ...]
-    fetched: tuple[TokenKey, ...]
-    missed: tuple[TokenKey, ...]
-    failed: dict[TokenKey, BlockFailure] = field(default_factory=dict)
-    """Keys no pool could supply, with the last owner's reason."""
-
-    @property
-    def available(self) -> set[TokenKey]:
-        return set(self.local_hits) | set(self.fetched)
-
-
 def this_node() -> str:
     """The Ray node this process runs on. A process started under a Ray worker (vLLM's engine
     core under a Serve replica) that joins Ray as a driver of its own is attached to a node by
@@ -87,26 +65,9 @@ def this_node() -> str:
     worker it descends from is the one it runs on; Ray passes that raylet down to children."""
     return (
         os.environ.get("RAY_NODE_ID")
-        or _inherited_raylet_node()
+        or inherited_raylet_node()
         or ray.get_runtime_context().get_node_id()
     )
-
-
-def _inherited_raylet_node() -> str | None:
-    """The node id on the command line of the raylet in ``RAY_RAYLET_PID`` (set in Ray's
-    workers, inherited by their children); ``None`` where there is none to read (a driver
-    started by hand, a host without ``/proc``)."""
-    pid = os.environ.get("RAY_RAYLET_PID")
-    if not pid or not pid.isdigit():
-        return None
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for arg in args:
-        if arg.startswith(b"--node_id="):
-            return arg.split(b"=", 1)[1].decode()
-    return None
 
 
 class TesseraClient:
@@ -180,43 +141,31 @@ class TesseraClient:
             )
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
         nodes = list(pools_on) if pools_on is not None else list(alive)
-        names: list[str] = []
-        handles = []
-        for node in nodes:
-            # One pool per GPU, its pages in device memory; one per node (or pools_per_node)
-            # on CPU nodes.
-            gpus = int(alive.get(node, {}).get("Resources", {}).get("GPU", 0))
-            for j in range(gpus or config.pools_per_node):
-                name = f"{POOL_PREFIX}{node[:12]}-{j}"
-                pool_cfg = config.pool
-                if gpus:
-                    pool_cfg = dataclasses.replace(pool_cfg, device="cuda")
-                if pool_cfg.disk_root is not None:
-                    pool_cfg = _with_disk(pool_cfg, name)
-                handles.append(
-                    PoolActor.options(  # type: ignore[attr-defined]
-                        name=name,
-                        namespace=config.ray_namespace,
-                        lifetime="detached",
-                        get_if_exists=True,
-                        num_gpus=1 if gpus else 0,
-                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                    ).remote(
-                        name,
-                        layout,
-                        pool_cfg,
-                        config.ray_namespace,
-                        config.num_shards,
-                        None,
-                        tenant_secret,
-                    )
-                )
-                names.append(name)
+        specs = pool_specs(config, nodes, alive, POOL_PREFIX)
+        handles = [
+            PoolActor.options(  # type: ignore[attr-defined]
+                name=spec.name,
+                namespace=config.ray_namespace,
+                lifetime="detached",
+                get_if_exists=True,
+                num_gpus=spec.num_gpus,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(spec.node, soft=False),
+            ).remote(
+                spec.name,
+                layout,
+                spec.config,
+                config.ray_namespace,
+                config.num_shards,
+                None,
+                tenant_secret,
+            )
+            for spec in specs
+        ]
         ray.get([h.ready.remote() for h in handles])
         return cls(
             config,
             layout,
-            names,
+            [spec.name for spec in specs],
             owns_ray=owns_ray and address is None,
             tenant_secret=tenant_secret,
         )
@@ -358,61 +307,22 @@ class TesseraClient:
         """Make the blocks available in pool ``into``: local hits stay, blocks held elsewhere are
         pulled (memory replicas first, then disk), a dead owner is purged and the next replica
         tried; what no live replica has is a miss (the engine recomputes it)."""
-        results = await self.alookup(namespace, token_keys)
-        local, missed = [], []
-        pending: dict[TokenKey, list[str]] = {}
-        for key, r in zip(token_keys, results, strict=True):
-            if r is None:
-                missed.append(key)
-            elif any(rep.pool == into and rep.tier == Tier.MEMORY for rep in r.replicas):
-                local.append(key)
-            else:
-                order = sorted(
-                    r.replicas, key=lambda rep: (rep.tier != Tier.MEMORY, rep.pool != into)
-                )
-                pending[key] = list(dict.fromkeys(rep.pool for rep in order))
-        fetched: list[TokenKey] = []
-        failed: dict[TokenKey, BlockFailure] = {}
+        plan = FetchPlan(into, token_keys, await self.alookup(namespace, token_keys))
         target = self.pool(into)
-        if local:
+        if plan.local:
             # Confirm the local hits (the directory may lag an eviction) and mark them used, so
             # the pool keeps them over older blocks; a stale one is pulled like any other.
-            held = await target.contains.remote(namespace, local, True)
-            for key, tier in zip(list(local), held, strict=True):
-                if tier != Tier.MEMORY:
-                    local.remove(key)
-                    result = results[token_keys.index(key)]
-                    others = (
-                        [rep.pool for rep in result.replicas if rep.pool != into] if result else []
-                    )
-                    if tier == Tier.DISK:
-                        others.insert(0, into)
-                    if others:
-                        pending[key] = list(dict.fromkeys(others))
-                    else:
-                        missed.append(key)
-        while pending:
-            by_owner: dict[str, list[TokenKey]] = {}
-            for key, owners in pending.items():
-                by_owner.setdefault(owners[0], []).append(key)
+            plan.confirm_local(await target.contains.remote(namespace, plan.local, True))
+        while plan.pending:
+            by_owner = plan.by_owner()
             answers = await asyncio.gather(
                 *(target.fetch_from.remote(o, namespace, ks) for o, ks in by_owner.items())
             )
             for (owner, owner_keys), reasons in zip(by_owner.items(), answers, strict=True):
-                if any(
-                    r is not None and r.reason is FetchFailure.OWNER_UNAVAILABLE for r in reasons
-                ):
+                if plan.owner_lost(reasons):
                     await self.apurge_pool(owner)
-                for key, reason in zip(owner_keys, reasons, strict=True):
-                    if reason is None:
-                        fetched.append(key)
-                        del pending[key]
-                        continue
-                    pending[key].pop(0)
-                    if not pending[key]:
-                        failed[key] = reason
-                        del pending[key]
-        return FetchResult(into, tuple(local), tuple(fetched), tuple(missed), failed)
+                plan.settle(owner_keys, reasons)
+        return plan.result()
 
     async def aattend(
         self,
@@ -428,20 +338,7 @@ class TesseraClient:
         pool holding it in memory, every pool computes its partial (out, lse) over its blocks,
         and the partials are merged exactly (LSE merge). Raises ``LookupError`` naming blocks
         no pool holds in memory (fetch them first, or recompute)."""
-        from tessera_ray.kernels import merge_attention_states
-
-        results = await self.alookup(namespace, token_keys)
-        assigned: dict[str, list[int]] = {}
-        absent = []
-        for i, r in enumerate(results):
-            owners = [rep.pool for rep in r.replicas if rep.tier == Tier.MEMORY] if r else []
-            if not owners:
-                absent.append(i)
-                continue
-            # Spread blocks over their holders; any holder gives the same bytes.
-            assigned.setdefault(min(owners, key=lambda p: len(assigned.get(p, ()))), []).append(i)
-        if absent:
-            raise LookupError(f"blocks {absent} of the sequence are in no pool's memory")
+        assigned = assign_holders(await self.alookup(namespace, token_keys))
         keys = list(token_keys)
         partials = await asyncio.gather(
             *(
@@ -451,10 +348,7 @@ class TesseraClient:
                 for p, pos in assigned.items()
             )
         )
-        for p, (_, _, missing) in zip(assigned, partials, strict=True):
-            if missing:
-                raise LookupError(f"pool {p} no longer holds blocks {missing}; retry")
-        return merge_attention_states([o for o, _, _ in partials], [lse for _, lse, _ in partials])
+        return merge_partials(list(assigned), partials)
 
     async def aread(
         self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
@@ -485,46 +379,19 @@ class TesseraClient:
         report: EvictionReport = await self.pool(pool).evict.remote(num_blocks)
         return report
 
-    def store(
-        self, namespace: Access, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
-    ) -> list[StoredBlock]:
-        return _run(self.astore(namespace, token_keys, payloads, pool=pool))
+    store = blocking(astore)
+    purge_pool = blocking(apurge_pool)
+    fetch = blocking(afetch)
+    attend = blocking(aattend)
+    read = blocking(aread)
+    check_blocks = blocking(acheck_blocks)
+    evict = blocking(aevict)
 
     def lookup(
         self, namespace: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
-        return _run(self.alookup(namespace, token_keys))
-
-    def purge_pool(self, pool: str) -> None:
-        _run(self.apurge_pool(pool))
-
-    def fetch(self, namespace: Access, token_keys: Sequence[TokenKey], *, into: str) -> FetchResult:
-        return _run(self.afetch(namespace, token_keys, into=into))
-
-    def attend(
-        self,
-        namespace: Access,
-        token_keys: Sequence[TokenKey],
-        layer: int,
-        q: Any,
-        seqlen: int,
-        softmax_scale: float,
-        causal: bool = True,
-    ) -> tuple[Any, Any]:
-        return _run(self.aattend(namespace, token_keys, layer, q, seqlen, softmax_scale, causal))
-
-    def read(
-        self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
-    ) -> list[np.ndarray | None]:
-        return _run(self.aread(namespace, token_keys, pool=pool))
-
-    def check_blocks(
-        self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
-    ) -> list[BlockCheck]:
-        return _run(self.acheck_blocks(namespace, token_keys, pool=pool))
-
-    def evict(self, pool: str, num_blocks: int) -> EvictionReport:
-        return _run(self.aevict(pool, num_blocks))
+        # Written out to keep the narrower signature: the blocking form takes no ``strict``.
+        return run_blocking(self.alookup(namespace, token_keys))
 
     # ------------------------------------------------------------------ status
 
@@ -559,24 +426,3 @@ class TesseraClient:
             return all(ray.get(refs, timeout=timeout_s + _CALL_TIMEOUT_S))
         except (*_DEAD, ray.exceptions.GetTimeoutError):
             return False
-
-
-_T = TypeVar("_T")
-
-
-def _run(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run a client coroutine from synchronous code (scripts, tests)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    coro.close()
-    raise RuntimeError(
-        "TesseraClient's blocking methods cannot run inside an event loop; await the "
-        "a-prefixed form instead (astore, alookup, afetch, aattend, aread, aevict)"
-    )
-
-
-def _with_disk(cfg: PoolServiceConfig, pool_name: str) -> PoolServiceConfig:
-    assert cfg.disk_root is not None
-    return dataclasses.replace(cfg, disk_root=cfg.disk_root / pool_name)

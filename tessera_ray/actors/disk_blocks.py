@@ -91,6 +91,9 @@ class DiskBlocks:
         """Payload size of every block; when known, ``get`` reads payloads straight into one
         aligned buffer (no staging copy, no ``bytes`` per block)."""
         self._spaces: dict[str, _Namespace] = {}
+        self.held: dict[tuple[str, bytes], BlockHash] = {}
+        """Every block written here (or found by ``reopen``) and not since found missing or
+        corrupt: what the pool may promise without a disk read."""
 
     def _space(self, namespace: str) -> _Namespace:
         space = self._spaces.get(namespace)
@@ -125,6 +128,7 @@ class DiskBlocks:
                             BlockHash(int.from_bytes(raw[32:48], "big")),
                         )
                     )
+        self.held.update(((b.namespace, b.token_key), b.block_hash) for b in found)
         return found
 
     async def put(
@@ -142,6 +146,7 @@ class DiskBlocks:
             manifests.append((key[:16], key + int(bh).to_bytes(16, "big") + data_key))
         await space.data.put_many(data, prehashed=True)  # keyed by space.hash just above
         await space.manifests.put_many(manifests)
+        self.held.update(((namespace, key), bh) for key, bh, _ in blocks)
 
     async def get(
         self, namespace: str, token_keys: Sequence[TokenKey]
@@ -151,6 +156,8 @@ class DiskBlocks:
         directly."""
         space = self._spaces.get(namespace)
         if space is None:
+            for key in token_keys:
+                self.held.pop((namespace, key), None)
             return [None] * len(token_keys)
         raws = await space.manifests.get_many([k[:16] for k in token_keys])
         wanted: list[bytes] = []
@@ -166,6 +173,9 @@ class DiskBlocks:
         for i, payload in zip(where, await self._payloads(space, wanted), strict=True):
             if payload is not None:
                 out[i] = (hashes[i], payload)
+        for key, got in zip(token_keys, out, strict=True):
+            if got is None:
+                self.held.pop((namespace, key), None)
         return out
 
     async def _payloads(
@@ -183,6 +193,8 @@ class DiskBlocks:
         return [o if n == size else None for o, n in zip(outs, got, strict=True)]
 
     async def discard(self, namespace: str, token_keys: Sequence[TokenKey]) -> None:
+        for key in token_keys:
+            self.held.pop((namespace, key), None)
         space = self._spaces.get(namespace)
         if space is not None:
             await space.manifests.delete_many([k[:16] for k in token_keys])
@@ -204,3 +216,4 @@ class DiskBlocks:
         for space in self._spaces.values():
             await space.close()
         self._spaces.clear()
+        self.held.clear()

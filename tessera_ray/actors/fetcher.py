@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from tessera_ray.actors.messages import (
+    NOT_HELD,
     BlockFailure,
     FetchFailure,
     PinTicket,
     Reservation,
 )
-from tessera_ray.actors.pool_transfer import NOT_HELD
 from tessera_ray.actors.tenancy import Access
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import (

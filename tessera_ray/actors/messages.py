@@ -29,6 +29,7 @@ __all__ = [
     "InstallResult",
     "FetchFailure",
     "BlockFailure",
+    "NOT_HELD",
     "PoolStatus",
 ]
 
@@ -274,6 +275,10 @@ class BlockFailure:
 
     def __str__(self) -> str:
         return f"{self.reason.value}: {self.detail}"
+
+
+NOT_HELD = BlockFailure(FetchFailure.NOT_HELD, "the owner does not hold it")
+"""A key the owner's pin found no block under."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,22 +11,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any
 
 import numpy as np
 import ray
+import torch
 
 from tessera_ray.actors._heap import freeze_startup_heap
+from tessera_ray.actors._pool_runtime import every, reap_forever, serve_pin_channel
 from tessera_ray.actors._ray_owner import RayOwnerLinks
-from tessera_ray.actors.channel import (
-    ChannelAddress,
-    ChannelServer,
-)
+from tessera_ray.actors.channel import ChannelAddress, ChannelServer
 from tessera_ray.actors.config import PoolServiceConfig
-from tessera_ray.actors.directory import (
-    Registration,
-    Tier,
-)
+from tessera_ray.actors.directory import Registration, Tier
 from tessera_ray.actors.directory_actor import ShardedDirectory
 from tessera_ray.actors.exporter import export_pool_status, pool_tags
 from tessera_ray.actors.fetcher import Fetcher
@@ -34,7 +29,10 @@ from tessera_ray.actors.messages import (
     BlockCheck,
     BlockFailure,
     BlockReads,
+    EvictionReport,
+    PinTicket,
     PoolStatus,
+    Reservation,
     StoredBlock,
 )
 from tessera_ray.actors.pool_service import PoolService
@@ -103,64 +101,27 @@ class PoolActor:
         if self._started:
             return
         self._started = True
+        name = self.svc.name
         # This process holds nothing in memory yet: replicas a previous incarnation registered
         # under this name are stale.
-        await self.directory.purge(self.svc.name)
+        await self.directory.purge(name)
         if self.peer is not None:
             await self.directory.publish_peer(self.peer)
         await self.svc.reopen_disk()
         if self.svc.config.pin_channel:
-            await self._serve_channel()
+            host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+            self._channel_server = await serve_pin_channel(self.svc, host)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._reaper()), loop.create_task(self._exporter())]
+        export = every(self.svc.config.metrics_interval_s, f"pool {name} export", self._export)
+        self._tasks = [loop.create_task(reap_forever(self.svc)), loop.create_task(export)]
         frozen = freeze_startup_heap()  # full collections would walk it all (see _heap)
-        log.debug(
-            "pool %s: %d start-up objects frozen out of garbage collection", self.svc.name, frozen
-        )
-
-    async def _serve_channel(self) -> None:
-        server = ChannelServer(
-            {
-                "pin": self._channel_pin,
-                "unpin": self._unpin_quietly,
-                "lookup": self.svc.resident_hashes,
-            },
-            host=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
-        )
-        try:
-            await server.start()
-        except OSError as e:  # no port to listen on: readers keep pinning through Ray
-            log.warning("pool %s serves no pin channel: %s", self.svc.name, e)
-            return
-        self._channel_server = server
-
-    def _channel_pin(self, access: Access, keys: list[TokenKey]) -> Any:
-        """A pin asked on the channel: answered at once when every block is in memory or
-        nowhere (the usual case), else the awaitable of the full pin (restores from disk)."""
-        ticket = self.svc.pin_resident(access, keys)
-        return ticket if ticket is not None else self.svc.pin(access, keys)
-
-    def _unpin_quietly(self, pin_id: int) -> None:
-        self.svc.unpin(pin_id)
+        log.debug("pool %s: %d start-up objects frozen out of garbage collection", name, frozen)
 
     async def channel(self) -> ChannelAddress | None:
         """Where readers ask this pool to pin and unpin without a Ray call (``None``: nowhere)."""
         await self._start()
         server = self._channel_server
         return server.address if server is not None else None
-
-    async def _reaper(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self.svc.config.lease_s / 4))
-            self.svc.reap()
-
-    async def _exporter(self) -> None:
-        while True:
-            await asyncio.sleep(self.svc.config.metrics_interval_s)
-            try:
-                self._export()
-            except Exception:  # a metrics hiccup must not stop the pool's exports for good
-                log.exception("pool %s: metrics export failed", self.svc.name)
 
     def _export(self) -> None:
         export_pool_status(self.metrics, self._status(), self.ray_namespace, fallback_counts())
@@ -185,7 +146,7 @@ class PoolActor:
         """The layout, settings and shard count this pool runs with (for clients that connect)."""
         return self.svc.layout, self.svc.config, self.num_shards
 
-    async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Any:
+    async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Reservation:
         await self._start()
         return await self.svc.reserve(num_blocks, lease_s)
 
@@ -212,7 +173,7 @@ class PoolActor:
 
     async def pin(
         self, namespace: Access, keys: list[TokenKey], lease_s: float | None = None
-    ) -> Any:
+    ) -> PinTicket:
         await self._start()
         return await self.svc.pin(namespace, keys, lease_s)
 
@@ -242,15 +203,15 @@ class PoolActor:
         keys: list[TokenKey],
         positions: list[int],
         layer: int,
-        q: Any,
+        q: torch.Tensor,
         seqlen: int,
         softmax_scale: float,
         causal: bool = True,
-    ) -> Any:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         await self._start()
         return self.svc.attend(namespace, keys, positions, layer, q, seqlen, softmax_scale, causal)
 
-    async def evict(self, num_blocks: int) -> Any:
+    async def evict(self, num_blocks: int) -> EvictionReport:
         await self._start()
         return await self.svc.evict(num_blocks)
 

@@ -23,20 +23,15 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from tessera_ray.core._blocks import BlockIndex, blocks_of
-from tessera_ray.core._bytes import copy_rows, equal_bytes, zero_row
+from tessera_ray.core import _evict, _refs, _register, _seal, _write
+from tessera_ray.core._blocks import BlockIndex
 from tessera_ray.core._dedup import DedupIndex
-from tessera_ray.core._records import FREE, SEALED, WRITABLE, PageList, PageRecord
-from tessera_ray.core._validate import check_handle, check_raw_write, check_region_write
+from tessera_ray.core._records import FREE, SEALED, PageList, PageRecord
+from tessera_ray.core._storage import page_storage
+from tessera_ray.core._validate import check_handle
 from tessera_ray.core._views import flashmla_view, region_views
-from tessera_ray.core.config import PoolConfig, check_fits
-from tessera_ray.core.hashing import (
-    TOKEN_KEY_BYTES,
-    ContentHashFn,
-    block_hash,
-    xxh3_128,
-)
-from tessera_ray.core.hostmem import aligned_host_zeros
+from tessera_ray.core.config import PoolConfig
+from tessera_ray.core.hashing import ContentHashFn, xxh3_128
 from tessera_ray.core.results import (
     BlockHash,
     BlockSealResult,
@@ -55,7 +50,6 @@ from tessera_ray.errors import (
     PageSealedError,
     PageShapeError,
     PoolConfigError,
-    PoolExhaustedError,
     UnknownNameError,
 )
 from tessera_ray.layout import LayerGroup, ModelLayout, PageSpec
@@ -99,20 +93,7 @@ class BlockPool:
         )
         self.content_hash_fn = content_hash
         """The content hash this pool seals with (readers verify fetched pages with it)."""
-        check_fits(config, self.page_bytes)
-        pinned = config.resolved_pin_memory()
-        if config.is_cuda or pinned:  # device and pinned allocations are page-aligned already
-            self.data = torch.zeros(
-                (config.num_pages, self.page_bytes),
-                dtype=torch.uint8,
-                device=config.device,
-                pin_memory=pinned,
-            )
-        else:
-            self.data = aligned_host_zeros(config.num_pages, self.page_bytes)
-        # A flat memoryview of host memory lets xxh3 read a page in place, without a copy;
-        # slicing it is cheaper than building a numpy row per page.
-        self._host = None if config.is_cuda else self.data.numpy().reshape(-1).data
+        self.data, self._host = page_storage(config, self.page_bytes)
         self._num_pages = config.num_pages
         self._records = [PageRecord(index=i) for i in range(config.num_pages)]
         self._free = PageList()
@@ -232,23 +213,7 @@ class BlockPool:
 
     def allocate_many(self, n: int) -> list[PageHandle]:
         """``n`` writable pages, all or none."""
-        if n < 0:
-            raise PoolConfigError(f"cannot allocate {n} pages")
-        self._need_free(n)
-        out = []
-        for _ in range(n):
-            rec = self._free.pop_front()
-            assert rec is not None and rec.state == FREE
-            rec.state, rec.refcount = WRITABLE, 1
-            out.append(self._handle(rec))
-        return out
-
-    def _need_free(self, n: int) -> None:
-        if len(self._free) < n:
-            raise PoolExhaustedError(
-                f"need {n} free pages, {len(self._free)} left of {len(self._records)} "
-                f"({len(self._lru)} evictable); call evict() or release references"
-            )
+        return _refs.allocate(self, n)
 
     def write(self, handle: PageHandle, data: torch.Tensor, *, offset: int = 0) -> PageHandle:
         """Copy ``data`` (``uint8``, 1-D) into the page at byte ``offset``.
@@ -256,11 +221,7 @@ class BlockPool:
         Writing to a sealed page forks it (copy-on-write): the caller's reference moves to a
         fresh private copy, whose handle is returned; every other holder keeps the old bytes.
         """
-        rec = self._resolve(handle)
-        check_raw_write(data, offset, self.page_bytes)
-        target = self._writable(rec)
-        self.data[target.index, offset : offset + data.numel()].copy_(data)
-        return handle if target is rec else self._handle(target)
+        return _write.write(self, handle, data, offset)
 
     def write_many(self, handles: Sequence[PageHandle], data: torch.Tensor) -> list[PageHandle]:
         """Write whole pages: ``data[i]`` (``uint8 [n, page_bytes]``) into ``handles[i]``.
@@ -268,23 +229,7 @@ class BlockPool:
         Copy-on-write as :meth:`write`; returns the handles to use from now on. All checks,
         including enough free pages for the forks, happen before any byte moves.
         """
-        recs = self._distinct(handles)
-        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
-            raise PageDTypeError("write_many takes a uint8 tensor [pages, page_bytes]")
-        if tuple(data.shape) != (len(recs), self.page_bytes):
-            raise PageShapeError(
-                f"write_many of {len(recs)} pages takes [{len(recs)}, {self.page_bytes}], "
-                f"got {tuple(data.shape)}"
-            )
-        for r in recs:
-            if r.state == SEALED and r.refcount == 0:
-                raise PageNotFreeableError(f"page {r.index} holds no reference to write through")
-        self._need_free(sum(r.state == SEALED for r in recs))
-        targets = [self._writable(r) for r in recs]
-        copy_rows(self.data, [r.index for r in targets], data)
-        return [
-            h if t is r else self._handle(t) for h, r, t in zip(handles, recs, targets, strict=True)
-        ]
+        return _write.write_many(self, handles, data)
 
     def _distinct(self, handles: Sequence[PageHandle]) -> list[PageRecord]:
         recs = [self._resolve(h) for h in handles]
@@ -297,37 +242,11 @@ class BlockPool:
     ) -> PageHandle:
         """Write entries ``start_entry ..`` of one region: ``data`` is ``[n, columns]`` of the
         region's dtype (see :meth:`region_view`). Copy-on-write as :meth:`write`."""
-        rec = self._resolve(handle)
-        check_region_write(self.page_spec, region, data, start_entry)
-        end = start_entry + data.shape[0]
-        target = self._writable(rec)
-        self.region_view(region)[target.index, start_entry:end].copy_(data)
-        return handle if target is rec else self._handle(target)
+        return _write.write_region(self, handle, region, data, start_entry)
 
     def fork(self, handle: PageHandle) -> PageHandle:
         """A new private writable copy of a page; the source and its references are untouched."""
-        src = self._resolve(handle)
-        self._need_free(1)
-        return self._handle(self._copy_of(src))
-
-    def _copy_of(self, src: PageRecord) -> PageRecord:
-        rec = self._free.pop_front()
-        assert rec is not None
-        rec.state, rec.refcount = WRITABLE, 1
-        self.data[rec.index].copy_(self.data[src.index])
-        return rec
-
-    def _writable(self, rec: PageRecord) -> PageRecord:
-        if rec.state == WRITABLE:
-            return rec
-        if rec.refcount == 0:
-            raise PageNotFreeableError(
-                f"page {rec.index} holds no reference to write through; share() it first"
-            )
-        self._need_free(1)
-        copy = self._copy_of(rec)
-        self._decref(rec)
-        return copy
+        return _write.fork(self, handle)
 
     # ----------------------------------------------------------------- seal / dedup
 
@@ -347,26 +266,18 @@ class BlockPool:
         rec = self._resolve(handle)
         if rec.state == SEALED:
             raise PageSealedError(f"page {rec.index} is already sealed")
-        return self._seal(rec, self._dedup.namespace(namespace), handle)
+        return _seal.seal_page(self, rec, self._dedup.namespace(namespace), handle)
 
     def seal_many(self, handles: Sequence[PageHandle], namespace: str) -> list[SealResult]:
         """:meth:`seal` for many pages, all checked before any is sealed."""
-        recs = self._distinct(handles)
-        for r in recs:
-            if r.state == SEALED:
-                raise PageSealedError(f"page {r.index} is already sealed")
-        ns = self._dedup.namespace(namespace)
-        return [self._seal(r, ns, h) for r, h in zip(recs, handles, strict=True)]
+        return _seal.seal_many(self, handles, namespace)
 
     def hash_pages(self, slots: Sequence[int], seed: int) -> list[int]:
         """Content hashes, keyed by ``seed`` (:func:`content_seed`), of the bytes now in pages
         ``slots``, whatever their state. Reads page memory only, so a transport may call it on
         its own thread for slots it just wrote and nobody else touches (their bytes are then
         hashed while the copy left them in the CPU's cache)."""
-        fn, host, pb = self._hash, self._host, self.page_bytes
-        if host is None:
-            return [fn(self._page_buffer(s), seed) for s in slots]
-        return [fn(host[s * pb : (s + 1) * pb], seed) for s in slots]
+        return _seal.hash_pages(self, slots, seed)
 
     def seal_verified(
         self,
@@ -385,64 +296,14 @@ class BlockPool:
         :class:`SealResult` or ``None``, and the positions that did not match (the caller
         releases those pages).
         """
-        if len(expected) != len(handles):
-            raise PageShapeError(f"{len(expected)} expected hashes for {len(handles)} pages")
-        if digests is not None and len(digests) != len(handles):
-            raise PageShapeError(f"{len(digests)} digests for {len(handles)} pages")
-        recs = self._distinct(handles)
-        for r in recs:
-            if r.state == SEALED:
-                raise PageSealedError(f"page {r.index} is already sealed")
-        ns = self._dedup.namespace(namespace)
-        if digests is None:
-            digests = self.hash_pages([r.index for r in recs], self._dedup.seeds[ns])
-        out: list[SealResult | None] = []
-        mismatched: list[int] = []
-        for pos, (rec, handle, want, digest) in enumerate(
-            zip(recs, handles, expected, digests, strict=True)
-        ):
-            if digest != want:
-                mismatched.append(pos)
-                out.append(None)
-            else:
-                out.append(self._seal(rec, ns, handle, digest))
-        return out, mismatched
-
-    def _seal(
-        self, rec: PageRecord, ns: int, handle: PageHandle, digest: int | None = None
-    ) -> SealResult:
-        i = rec.index
-        if digest is None:
-            host, pb = self._host, self.page_bytes
-            page = host[i * pb : (i + 1) * pb] if host is not None else self._page_buffer(i)
-            digest = self._hash(page, self._dedup.seeds[ns])
-        index = self._dedup.buckets[ns]
-        if digest not in index:
-            # Fresh content, the common case: one dict probe, no candidate to compare. Kept
-            # lean because sealing must run near raw xxh3 speed (bench_pool, >= 0.8).
-            index[digest] = rec
-            rec.state, rec.namespace, rec.digest = SEALED, ns, digest
-            self._sealed += 1
-            return SealResult(handle, ContentHash(digest), False, False)
-        candidates = self._dedup.candidates(ns, digest)
-        for cand in candidates:
-            if equal_bytes(self.data, cand.index, i):
-                self._incref(cand)
-                self._decref(rec)
-                self._dedup_hits += 1
-                return SealResult(self._handle(cand), ContentHash(digest), True, False)
-        self._collisions += 1
-        self._dedup.insert(ns, digest, rec)
-        rec.state, rec.namespace, rec.digest = SEALED, ns, digest
-        self._sealed += 1
-        return SealResult(handle, ContentHash(digest), False, True)
+        return _seal.seal_verified(self, handles, namespace, expected, digests)
 
     def share(self, handle: PageHandle) -> PageHandle:
         """Take one more reference on a sealed page (taking it off the LRU if unreferenced)."""
         rec = self._resolve(handle)
         if rec.state != SEALED:
             raise PageNotSealedError(f"page {rec.index} is writable; seal it before sharing")
-        self._incref(rec)
+        _refs.incref(self, rec)
         return handle
 
     def release(self, handle: PageHandle) -> None:
@@ -450,41 +311,10 @@ class BlockPool:
         rec = self._resolve(handle)
         if rec.refcount == 0:
             raise PageNotFreeableError(f"page {rec.index} holds no reference to release")
-        self._decref(rec)
+        _refs.decref(self, rec)
 
     def release_many(self, handles: Sequence[PageHandle]) -> None:
-        recs = [self._resolve(h) for h in handles]
-        counts: dict[int, int] = {}
-        for r in recs:
-            counts[r.index] = counts.get(r.index, 0) + 1
-            if counts[r.index] > r.refcount:
-                raise PageNotFreeableError(f"page {r.index} released more often than referenced")
-        for r in recs:
-            self._decref(r)
-
-    def _incref(self, rec: PageRecord) -> None:
-        if rec.refcount == 0:
-            self._lru.remove(rec)
-        rec.refcount += 1
-        if rec.refcount == 2:
-            self._shared += 1
-
-    def _decref(self, rec: PageRecord) -> None:
-        rec.refcount -= 1
-        if rec.refcount == 1:
-            self._shared -= 1
-        elif rec.refcount == 0:
-            if rec.state == SEALED:
-                self._lru.push_back(rec)
-            else:
-                self._free_slot(rec)
-
-    def _free_slot(self, rec: PageRecord) -> None:
-        rec.state, rec.refcount, rec.namespace, rec.digest = FREE, 0, -1, 0
-        rec.generation += 1
-        if self.config.scrub_freed_pages:
-            zero_row(self.data, rec.index)
-        self._free.push_back(rec)
+        _refs.release_all(self, [self._resolve(h) for h in handles])
 
     # ----------------------------------------------------------------- blocks / token keys
 
@@ -493,43 +323,14 @@ class BlockPool:
     ) -> BlockSealResult:
         """Seal the layer pages of one token block (layer order) and register the block,
         under ``token_key`` if given. A live token key is never redirected."""
-        self._block_size(handles)
-        self._check_token_key(token_key)
-        results = tuple(self.seal_many(handles, namespace))
-        ns = self._dedup.ids[namespace]
-        pages = [self._records[self.slot(res.handle)] for res in results]
-        bh = block_hash([res.content_hash for res in results], self._dedup.seeds[ns])
-        registered = self._block_index.register(ns, bh, pages, token_key)
-        return BlockSealResult(bh, results, registered)
+        return _register.seal_block(self, handles, namespace, token_key)
 
     def register_block(
         self, handles: Sequence[PageHandle], namespace: str, token_key: TokenKey
     ) -> bool:
         """Name already-sealed pages of ``namespace`` as one block under ``token_key``.
         False when the key already names a different live block (first registration wins)."""
-        self._block_size(handles)
-        # Not _distinct: two layers of a block may hold one deduplicated page, as in seal_block.
-        recs = [self._resolve(h) for h in handles]
-        self._check_token_key(token_key)
-        ns = self._dedup.known(namespace)
-        for r in recs:
-            if r.state != SEALED or r.namespace != ns:
-                raise PageNotSealedError(f"page {r.index} is not sealed under {namespace!r}")
-        bh = block_hash([ContentHash(r.digest) for r in recs], self._dedup.seeds[ns])
-        return self._block_index.register(ns, bh, recs, token_key)
-
-    def _block_size(self, handles: Sequence[PageHandle]) -> None:
-        if len(handles) != self.layers_per_block:
-            raise PageShapeError(
-                f"a block has {self.layers_per_block} pages (one per layer), got {len(handles)}"
-            )
-
-    @staticmethod
-    def _check_token_key(token_key: TokenKey | None) -> None:
-        if token_key is not None and (
-            not isinstance(token_key, bytes) or len(token_key) != TOKEN_KEY_BYTES
-        ):
-            raise PageShapeError(f"a token key is {TOKEN_KEY_BYTES} bytes (see token_key())")
+        return _register.register_block(self, handles, namespace, token_key)
 
     def lookup(self, namespace: str, token_key: TokenKey) -> tuple[PageHandle, ...] | None:
         """The block's page handles, with one reference taken on each; ``None`` on a miss."""
@@ -538,7 +339,7 @@ class BlockPool:
             return None
         for r in block.pages:
             assert r.state == SEALED
-            self._incref(r)
+            _refs.incref(self, r)
         return tuple(self._handle(r) for r in block.pages)
 
     def lookup_many(
@@ -562,38 +363,14 @@ class BlockPool:
         Returns what left (with a copy of the bytes for the tier below). Blocks that named an
         evicted page are dropped with their token keys. Referenced pages are never evicted.
         """
-        if max_pages < 0:
-            raise PoolConfigError(f"cannot evict {max_pages} pages")
-        out: list[EvictedPage] = []
-        while len(out) < max_pages:
-            rec = self._lru.pop_front()
-            if rec is None:
-                break
-            out.append(self._evict_page(rec, copy_data))
-        return out
+        return _evict.evict(self, max_pages, copy_data)
 
     def evict_unnamed(self, max_pages: int) -> int:
         """Evict up to ``max_pages`` unreferenced sealed pages that belong to no block, oldest
         first; returns how many left. Such pages are sealed but unreachable by any token key
         (a block dropped with a shared page, a fetch that failed part-way, a key registered
         first elsewhere), so freeing them loses nothing a lookup could find."""
-        orphans = [rec for rec in self._lru if rec.blocks is None][: max(max_pages, 0)]
-        for rec in orphans:
-            self._lru.remove(rec)
-            self._evict_page(rec, copy_data=False)
-        return len(orphans)
-
-    def _evict_page(self, rec: PageRecord, copy_data: bool) -> EvictedPage:
-        """Evict one unreferenced sealed page already taken off the LRU."""
-        assert rec.state == SEALED and rec.refcount == 0
-        data = self._page_buffer(rec.index).tobytes() if copy_data else None
-        evicted = EvictedPage(
-            self._dedup.names[rec.namespace], ContentHash(rec.digest), PageIndex(rec.index), data
-        )
-        self._unindex(rec)
-        self._free_slot(rec)  # pushes onto the free list; the record is off the LRU already
-        self._evictions += 1
-        return evicted
+        return _evict.evict_unnamed(self, max_pages)
 
     def evict_block(
         self, namespace: str, token_key: TokenKey, *, copy_data: bool = True
@@ -607,22 +384,24 @@ class BlockPool:
         one block never takes another with it. Returns the pages that left, or ``None`` (and
         changes nothing) when the key names no block or any of its pages is referenced.
         """
-        block = self._block_index.find(self._dedup.known(namespace), token_key)
-        if block is None or any(r.refcount for r in block.pages):
-            return None
-        out: list[EvictedPage] = []
-        for rec in dict.fromkeys(block.pages):  # a deduplicated page may repeat in a block
-            if any(b is not block for b in blocks_of(rec)):
-                continue
-            self._lru.remove(rec)
-            out.append(self._evict_page(rec, copy_data))
-        self._block_index.drop_block(block)  # when every page was shared, it is still named
-        return out
+        return _evict.evict_block(self, namespace, token_key, copy_data)
 
-    def _unindex(self, rec: PageRecord) -> None:
-        self._dedup.remove(rec)
-        self._block_index.drop_page(rec)
-        self._sealed -= 1
+    def evictable_blocks(self, limit: int) -> list[tuple[str, TokenKey]]:
+        """Up to ``limit`` ``(namespace, token key)`` pairs of unreferenced blocks, oldest first.
+
+        The order is the page LRU's, the one :meth:`evict` follows, so a caller that evicts by
+        block (:meth:`evict_block`) picks the same victims page eviction would, instead of
+        keeping a second recency order that drifts from it. A block comes when the walk from
+        the LRU's front first meets one of its pages, with all of its token keys; blocks with
+        a referenced page are skipped (they cannot be evicted).
+        """
+        return _evict.evictable_blocks(self, limit)
+
+    def touch_block(self, namespace: str, token_key: TokenKey) -> bool:
+        """Record a use of the block without taking a reference: its unreferenced pages move
+        to the young end of the LRU (in page order), so a block that is read (probed, copied
+        out to a peer) is not evicted as if idle. Returns whether the key names a block."""
+        return _evict.touch_block(self, namespace, token_key)
 
     # ----------------------------------------------------------------- stats / checks
 

@@ -13,11 +13,9 @@ writes exactly the positions vLLM counts as externally computed, never a positio
 itself writes nor one vLLM already holds (its own prefix-cache blocks may be shared by other
 requests).
 
-Token keys follow vLLM's block hashing inputs: each block's key chains the parent block's key
-and the block's token ids, and carries vLLM's extra keys of the block (LoRA adapter, multimodal
-inputs, prompt embeddings, the ``cache_salt``), the model's name and the tier layout's
-fingerprint. The ``cache_salt`` also picks the tenant namespace, so a request of another salt
-is a miss at the directory even for equal tokens.
+Token keys follow vLLM's block hashing inputs, and a request's ``cache_salt`` picks its tenant
+namespace (``_connector_keys``). The records a step exchanges live in ``_connector_records``,
+the per-request state in ``_connector_requests``; both are re-exported here.
 
 The scheduler thread never waits on the tier for long: a lookup runs in the background and
 :meth:`SchedulerPlanner.matched_tokens` answers ``None`` ("ask again next step") until it is
@@ -32,21 +30,40 @@ meanwhile) until the store ends, or ``store_wait_s`` after it was handed over at
 
 from __future__ import annotations
 
-import concurrent.futures
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from tessera_ray.core import token_key
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError
 from tessera_ray.layout import ModelLayout
+from tessera_ray.serve._connector_keys import (
+    ExtraKeysFn,
+    key_fingerprint,
+    no_extra_keys,
+    prompt_keys,
+    tenant_namespace,
+)
+from tessera_ray.serve._connector_records import (
+    BlockLoad,
+    BlockSave,
+    CachedScheduled,
+    NewScheduled,
+    StepPlan,
+    TokenRows,
+)
+from tessera_ray.serve._connector_requests import (
+    LookupMatch,
+    PendingLookup,
+    RequestLike,
+    TierLookup,
+    TrackedRequest,
+)
 from tessera_ray.serve._connector_stats import ConnectorCounters
 
+# The records and key functions moved out of this module stay importable from it.
 __all__ = [
     "BlockLoad",
     "BlockSave",
@@ -70,216 +87,7 @@ name) that counts the prompt tokens the tier supplied to it."""
 
 log = logging.getLogger(__name__)
 
-ExtraKeysFn = Callable[[Any, int, int, int], tuple[Any, int]]
-"""``(request, start token, end token, multimodal index) -> (extra keys or None, next index)``:
-vLLM's per-block extra hash inputs (``generate_block_hash_extra_keys``)."""
-
-LookupFuture = concurrent.futures.Future[list[BlockHash | None]]
-
-
-class RequestLike(Protocol):
-    """The parts of vLLM's ``Request`` the planner reads."""
-
-    request_id: str
-    cache_salt: str | None
-
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-class TierLookup(Protocol):
-    def lookup_async(self, namespace: str, keys: Sequence[TokenKey]) -> LookupFuture:
-        """Start one batched lookup; the future gives, per key, the block hash or ``None``."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class TokenRows:
-    """Token positions ``[start, stop)`` of one request and where they live in vLLM's cache:
-    ``block_ids[i]`` is the engine block holding positions from ``first_position + i *
-    engine_tokens``. Position ``p`` is row ``block_ids[(p - first_position) // engine_tokens] *
-    engine_tokens + p % engine_tokens`` of a layer's cache viewed as one row per token."""
-
-    block_ids: tuple[int, ...]
-    first_position: int
-    start: int
-    stop: int
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def cache_rows(self, engine_tokens: int, start: int | None = None) -> list[int]:
-        """The cache rows of positions ``[start or self.start, self.stop)``."""
-        first = self.start if start is None else start
-        return [
-            self.block_ids[(p - self.first_position) // engine_tokens] * engine_tokens
-            + p % engine_tokens
-            for p in range(first, self.stop)
-        ]
-
-    def blocks_from(self, position: int, engine_tokens: int) -> set[int]:
-        """The engine blocks holding positions ``[position, stop)``."""
-        first = max(position, self.start)
-        if first >= self.stop:
-            return set()
-        lo = (first - self.first_position) // engine_tokens
-        hi = (self.stop - 1 - self.first_position) // engine_tokens
-        return set(self.block_ids[lo : hi + 1])
-
-    def first_failed_position(self, failed: set[int], engine_tokens: int) -> int | None:
-        """Where vLLM recomputes from when ``failed`` engine blocks could not be loaded: the
-        first position of the first of them in this run."""
-        for i, block in enumerate(self.block_ids):
-            if block in failed:
-                return self.first_position + i * engine_tokens
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLoad:
-    """Tier blocks of one request to load this step: the tier blocks under ``token_keys``
-    cover positions from ``tier_position`` on, ``len(token_keys)`` tier blocks long; only the
-    positions of ``rows`` are written into vLLM's cache. ``block_hashes[i]`` is the hash the
-    scheduler's lookup saw (the load verifies the bytes against the hash the pool returns with
-    them)."""
-
-    req_id: str
-    namespace: str
-    token_keys: tuple[TokenKey, ...]
-    block_hashes: tuple[BlockHash, ...]
-    tier_position: int
-    rows: TokenRows
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSave:
-    """Tier blocks of one request that became full this step: the tier block under
-    ``token_keys[i]`` is positions ``rows.start + i * tier_tokens`` onwards, one tier block
-    long, read from vLLM's cache where ``rows`` says."""
-
-    req_id: str
-    namespace: str
-    token_keys: tuple[TokenKey, ...]
-    rows: TokenRows
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    """What every worker does in one engine step (small and picklable)."""
-
-    loads: tuple[BlockLoad, ...] = ()
-    saves: tuple[BlockSave, ...] = ()
-    save_seq: int = 0
-    """Names this step's saves when a worker reports their stores done (0: no saves)."""
-
-
-@dataclass(frozen=True, slots=True)
-class NewScheduled:
-    """A request scheduled for the first time (or again after preemption) this step."""
-
-    req_id: str
-    block_ids: Sequence[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class CachedScheduled:
-    """A running request scheduled again: its new blocks (all its blocks when ``resumed``)."""
-
-    req_id: str
-    new_block_ids: Sequence[int] | None
-    resumed: bool
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-
-
-@dataclass(slots=True)
-class _Lookup:
-    """A lookup in flight for the tier blocks ``first .. first + len(keys)`` of a request."""
-
-    first: int
-    keys: list[TokenKey]
-    future: LookupFuture
-    started_s: float
-
-
-@dataclass(slots=True)
-class _Match:
-    """The tier blocks a finished lookup found, from the position vLLM asked about."""
-
-    computed: int
-    first: int
-    keys: list[TokenKey]
-    hashes: list[BlockHash]
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: RequestLike
-    namespace: str
-    keys: list[TokenKey] = field(default_factory=list)
-    mm_index: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    known_blocks: int = 0
-    """Leading tier blocks the tier holds or that were already handed to a worker to save."""
-    lookup: _Lookup | None = None
-    relook_s: float = 0.0
-    """No new lookup before this time (waiting on blocks this engine is storing)."""
-    match: _Match | None = None
-    load: BlockLoad | None = None
-    loaded: TokenRows | None = None
-    """Where the last load wrote, to map a failed engine block back to a tier block."""
-    tier_tokens: int = 0
-    """Prompt tokens the last load took from the tier, less any that failed to load."""
-
-
 _RELOOK_S = 0.01  # between lookups of a request waiting on this engine's own stores
-
-
-def key_fingerprint(layout_fingerprint: str, model_name: str, extra: Any = None) -> str:
-    """What a token key covers besides the block's tokens: the page layout, the model, and
-    vLLM's extra keys of the block (LoRA, multimodal inputs; ``None`` for plain text)."""
-    # JSON of a list keeps the parts apart (no separator a model name could contain); vLLM's
-    # extra keys are tuples of str, int and bytes, whose repr is stable.
-    return json.dumps([layout_fingerprint, model_name, repr(extra) if extra else None])
-
-
-def prompt_keys(
-    layout_fingerprint: str,
-    model_name: str,
-    token_ids: Sequence[int],
-    block_tokens: int,
-    cache_salt: str | None = None,
-    base_namespace: str = "vllm",
-) -> list[TokenKey]:
-    """The chained keys of the full tier blocks of a plain-text prompt, as the connector's
-    scheduler computes them (for a router that looks a prompt up before any engine sees it):
-    under the request's tenant namespace, and with vLLM's extra hash key of a salted request
-    on its first block (``("cache_salt", salt)``, what ``generate_block_hash_extra_keys``
-    gives a block that starts at position 0)."""
-    namespace = tenant_namespace(base_namespace, cache_salt)
-    plain = key_fingerprint(layout_fingerprint, model_name)
-    keys: list[TokenKey] = []
-    parent: TokenKey | None = None
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
-        fingerprint = key_fingerprint(layout_fingerprint, model_name, extra) if extra else plain
-        block = list(token_ids[start : start + block_tokens])
-        parent = token_key(namespace, fingerprint, parent, block)
-        keys.append(parent)
-    return keys
-
-
-def tenant_namespace(base: str, cache_salt: str | None) -> str:
-    """The tier namespace of a request: ``base``, or a per-salt namespace under it. The salt is
-    hashed so it never appears in the tier's state or metrics."""
-    if not cache_salt:
-        return base
-    return f"{base}/salt-{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}"
 
 
 def check_paged_layout(layout: ModelLayout) -> int:
@@ -307,10 +115,6 @@ def check_block_sizes(tier_tokens: int, engine_tokens: int) -> None:
         )
 
 
-def _no_extra_keys(request: Any, start: int, end: int, mm_index: int) -> tuple[Any, int]:
-    return None, mm_index
-
-
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -328,7 +132,7 @@ class SchedulerPlanner:
         block_tokens: int,
         can_load: bool,
         can_save: bool,
-        extra_keys: ExtraKeysFn = _no_extra_keys,
+        extra_keys: ExtraKeysFn = no_extra_keys,
         lookup_wait_s: float = 0.002,
         lookup_timeout_s: float = 30.0,
         store_wait_s: float = 5.0,
@@ -357,20 +161,20 @@ class SchedulerPlanner:
         ``save_seq`` order, so in deadline order too)."""
         self._plain_fingerprint = self._fingerprint(model_name, None)
         self._model_name = model_name
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, TrackedRequest] = {}
 
     def _fingerprint(self, model_name: str, extra: Any) -> str:
         return key_fingerprint(self.layout.fingerprint, model_name, extra)
 
-    def _track(self, request: RequestLike) -> _Tracked:
+    def _track(self, request: RequestLike) -> TrackedRequest:
         tracked = self._requests.get(request.request_id)
         namespace = tenant_namespace(self.namespace, request.cache_salt)
         if tracked is None or tracked.request is not request or tracked.namespace != namespace:
-            tracked = _Tracked(request, namespace)
+            tracked = TrackedRequest(request, namespace)
             self._requests[request.request_id] = tracked
         return tracked
 
-    def _keys(self, tracked: _Tracked, num_blocks: int) -> list[TokenKey]:
+    def _keys(self, tracked: TrackedRequest, num_blocks: int) -> list[TokenKey]:
         """The chained keys of the first ``num_blocks`` tier blocks (extended as tokens
         arrive)."""
         bs = self.tier_tokens
@@ -389,7 +193,7 @@ class SchedulerPlanner:
             )
         return tracked.keys[:num_blocks]
 
-    def _rows(self, tracked: _Tracked, start: int, stop: int) -> TokenRows:
+    def _rows(self, tracked: TrackedRequest, start: int, stop: int) -> TokenRows:
         """Where positions ``[start, stop)`` of ``tracked`` live in vLLM's cache."""
         e = self.engine_tokens
         first, last = start // e, _ceil_div(stop, e)
@@ -427,7 +231,7 @@ class SchedulerPlanner:
             except Exception as exc:  # a tier that is down is a miss, never a failed request
                 log.warning("tier lookup failed, treating as a miss: %s", exc)
                 return 0
-            pending = tracked.lookup = _Lookup(first, keys, future, self._clock())
+            pending = tracked.lookup = PendingLookup(first, keys, future, self._clock())
         try:
             found = pending.future.result(timeout=self.lookup_wait_s)
         except TimeoutError:
@@ -454,7 +258,7 @@ class SchedulerPlanner:
             return None
         if not hashes:
             return 0
-        tracked.match = _Match(num_computed_tokens, first, keys[: len(hashes)], hashes)
+        tracked.match = LookupMatch(num_computed_tokens, first, keys[: len(hashes)], hashes)
         return (first + len(hashes)) * bs - num_computed_tokens
 
     def _still_storing(self, keys: Sequence[TokenKey], found: int) -> bool:
@@ -525,7 +329,7 @@ class SchedulerPlanner:
             if tracked.load is not None:
                 loads.append(tracked.load)
                 tracked.load = None
-        steps: list[tuple[_Tracked, int]] = []
+        steps: list[tuple[TrackedRequest, int]] = []
         for n in new:
             tracked_new = self._requests.get(n.req_id)
             if tracked_new is not None:
@@ -555,7 +359,7 @@ class SchedulerPlanner:
             self._storing.update(dict.fromkeys(keys, self._save_seq))
         return StepPlan(tuple(loads), tuple(saves), self._save_seq)
 
-    def _save(self, tracked: _Tracked, done_tokens: int) -> BlockSave | None:
+    def _save(self, tracked: TrackedRequest, done_tokens: int) -> BlockSave | None:
         # Only tokens already in the request count: positions of speculative draft tokens
         # hold KV of tokens that may yet be rejected.
         done = min(done_tokens, len(tracked.request.all_token_ids))

@@ -7,14 +7,14 @@
   a ``uni`` executor's worker live in one process, so their connectors share one instance
   (:func:`shared_local_tier`).
 
-Every call takes and returns lists (one round trip per request batch). Both
-backends run their coroutines on one private event-loop thread per process, because vLLM calls
-the connector from plain threads that may or may not already run a loop of their own; the one
-thread also serialises every use of a shared :class:`LocalTier`.
+Every call takes and returns lists (one round trip per request batch). Both backends run their
+coroutines on one private event-loop thread per process (``_connector_loop``), because vLLM
+calls the connector from plain threads that may or may not already run a loop of their own; the
+one thread also serialises every use of a shared :class:`LocalTier`.
 
-:func:`payload_block_hash` recomputes a block's hash from its bytes exactly as the pool sealed
-it, so the connector verifies what it read against what the lookup promised before any byte
-reaches vLLM's cache.
+:func:`payload_block_hash` (``_connector_keys``, re-exported here) recomputes a block's hash
+from its bytes exactly as the pool sealed it, so the connector verifies what it read against
+what the lookup promised before any byte reaches vLLM's cache.
 """
 
 from __future__ import annotations
@@ -37,13 +37,15 @@ from tessera_ray.actors.links import LocalDirectory
 from tessera_ray.actors.messages import BlockCheck, BlockReads, PinTicket
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access
-from tessera_ray.core import block_hash, content_seed, xxh3_128
-from tessera_ray.core.results import BlockHash, ContentHash, TokenKey
+from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import TierConfigError, TransportError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.serve._connector_config import TesseraConnectorConfig
+from tessera_ray.serve._connector_keys import payload_block_hash
+from tessera_ray.serve._connector_loop import run_on_loop, submit_on_loop
 from tessera_ray.serve._connector_nixl import PoolReader
 
+# payload_block_hash and the loop helpers moved out of this module stay importable from it.
 __all__ = [
     "TierBackend",
     "LocalTier",
@@ -58,65 +60,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _CHANNEL_RETRY_S = 10.0  # between attempts to reach a pool's channel that did not answer
-
-
-class _LoopThread:
-    """One daemon thread running an event loop, started on first use."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(
-                    target=loop.run_forever, name="tessera-connector-loop", daemon=True
-                )
-                thread.start()
-                self._loop = loop
-            return self._loop
-
-
-_LOOP = _LoopThread()
-
-
-def submit_on_loop(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-    """Start ``coro`` on the connector's loop thread; its future, for a caller that must not
-    wait long (vLLM's scheduler thread)."""
-    return asyncio.run_coroutine_threadsafe(coro, _LOOP.loop())
-
-
-def run_on_loop(coro: Coroutine[Any, Any, _T], timeout_s: float) -> _T:
-    """Run ``coro`` on the connector's loop thread and wait for it (at most ``timeout_s``)."""
-    future = submit_on_loop(coro)
-    try:
-        return future.result(timeout_s)
-    except TimeoutError:
-        future.cancel()
-        raise
-
-
-def payload_block_hash(layout: ModelLayout, namespace: str, row: np.ndarray) -> BlockHash:
-    """The block hash a pool gives ``row`` (one block's payload) when it seals it under
-    ``namespace``: per layer group, the digest of its pages' seeded content hashes; across
-    groups, the digest of the group digests (as :class:`PoolService` combines them)."""
-    seed = content_seed(namespace, layout.fingerprint)
-    data = np.ascontiguousarray(row, dtype=np.uint8).reshape(-1).data
-    group_hashes: list[ContentHash] = []
-    offset = 0
-    for group in layout.groups:
-        pb = group.page.page_bytes
-        pages = [
-            ContentHash(xxh3_128(data[offset + i * pb : offset + (i + 1) * pb], seed))
-            for i in range(len(group.layers))
-        ]
-        offset += group.block_bytes
-        group_hashes.append(ContentHash(block_hash(pages, seed)))
-    if len(group_hashes) == 1:
-        return BlockHash(group_hashes[0])
-    return block_hash(group_hashes, seed)
 
 
 class TierBackend(abc.ABC):

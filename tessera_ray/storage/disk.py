@@ -1,10 +1,10 @@
 """The disk tier: checksummed page records in immutable segment files, verified on every read.
 
 Why segment files (one per written batch) and not one file per page: a per-page fsync costs a
-journal commit each, and a file per page wrote several times slower than segments
-(docs/measured-choices.md); a segment pays one fsync and one directory fsync per batch, the
-durability point of a raw write. Records stay individually checksummed, so one bad record is
-quarantined alone and its neighbours stay readable.
+journal commit each, while a segment pays one fsync and one directory fsync per batch, the
+durability point of a raw write (measurements: docs/measured-choices.md). Records stay
+individually checksummed, so one bad record is quarantined alone and its neighbours stay
+readable.
 
 Eviction works on segments: a segment's recency is the last use of any of its pages, and the
 least recently used segment is unlinked whole (pages of one batch are usually one request's
@@ -14,6 +14,8 @@ segments' modification times order them.
 
 Segment IO goes around the page cache (``O_DIRECT``) where the filesystem allows it, else
 through it; ``DiskTierConfig.direct_io`` says why and chooses (``_direct`` has the transfers).
+The index and eviction live in ``_catalog``, opening and the restart scan in ``_recovery``,
+quarantine, tombstones and unlinks in ``_repair``.
 """
 
 from __future__ import annotations
@@ -21,29 +23,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import struct
-import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import xxhash
-
-from tessera_ray.errors import (
-    CorruptPageError,
-    LayoutMismatchError,
-    PageNotFoundError,
-    StorageConfigError,
-    StorageError,
-)
-from tessera_ray.storage import _direct as D
+from tessera_ray.errors import CorruptPageError, PageNotFoundError, StorageError
 from tessera_ray.storage import _files as F
 from tessera_ray.storage import _io
-from tessera_ray.storage._format import head_bytes_at, record_heads, scan_segment
-from tessera_ray.storage._progress import Progress
+from tessera_ray.storage._catalog import Catalog, Entry, Segment
+from tessera_ray.storage._format import head_bytes_at, record_heads
+from tessera_ray.storage._recovery import choose_direct, prepare_root, rebuild
+from tessera_ray.storage._repair import Span, delete_records, quarantine_record, unlink_segments
 from tessera_ray.storage.config import DiskTierConfig
 from tessera_ray.storage.keys import ContentHasher, Payload, content_hasher, normalize_key
 from tessera_ray.storage.keys import writable_view as _writable
@@ -53,21 +45,6 @@ __all__ = ["DiskTier", "DiskTierStats"]
 
 _T = TypeVar("_T")
 _Item = tuple[bytes, memoryview]
-
-
-@dataclass(slots=True)
-class _Entry:
-    segment: _Segment
-    offset: int
-    payload_len: int
-    head_bytes: int
-
-
-@dataclass(slots=True, eq=False)
-class _Segment:
-    name: str
-    size: int
-    live: set[bytes] = field(default_factory=set)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,11 +102,10 @@ class DiskTier(Tier):
         self._hashing = _io.Hashing(
             digest=content_hasher(cfg.namespace, cfg.fingerprint), key_of=hasher
         )
-        self._index: dict[bytes, _Entry] = {}
-        self._segments: OrderedDict[str, _Segment] = OrderedDict()  # oldest use first
-        self._used = 0
+        self._cat = Catalog(cfg.capacity_bytes)
+        # A bad record found by a read is quarantined on the IO thread that read it.
+        self._quarantine: _io.Quarantine = functools.partial(quarantine_record, self._root)
         self._corrupt_total = 0
-        self._evicted_pages = 0
         self._partials_cleaned = 0
         self._orphans = 0
         self._lock_fd: int | None = None
@@ -154,159 +130,21 @@ class DiskTier(Tier):
     # --- opening / restart ------------------------------------------------------------------
 
     def _open(self, *, custom_hasher: bool) -> None:
-        root = self._root
-        try:
-            for d in (root, self._seg_dir, root / F.QUARANTINE):
-                d.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise F.storage_error(exc, f"cannot create tier root {root}") from None
-        meta = F.read_meta(root)
-        want = F.RootMeta(
-            fingerprint=self.config.fingerprint,
-            namespace=self.config.namespace,
-            hasher="custom" if custom_hasher else F.DEFAULT_HASHER,
-        )
-        if meta is None:
-            try:
-                F.write_meta(root, want)
-            except OSError as exc:
-                raise F.storage_error(exc, f"cannot initialise tier root {root}") from None
-        elif meta.fingerprint != want.fingerprint or meta.namespace != want.namespace:
-            raise LayoutMismatchError(
-                f"tier root {root} holds layout {meta.fingerprint} (namespace "
-                f"{meta.namespace!r}), not {want.fingerprint} ({want.namespace!r}); open it with "
-                "that layout or use another root"
-            )
-        self._direct = self._choose_direct()
+        prepare_root(self.config, custom_hasher=custom_hasher)
+        self._direct = choose_direct(self.config)
         self._lock_fd = F.take_lock(self._root, what="close it there first")
-        self._rebuild()
-
-    def _choose_direct(self) -> bool:
-        wanted = self.config.direct_io
-        if wanted is False:
-            return False
-        if D.direct_supported(self._root / F.META_NAME):
-            return True
-        if wanted:
-            raise StorageConfigError(
-                f"direct_io=True but the filesystem of {self._root} does not support O_DIRECT; "
-                "use direct_io=None (auto) or False, or a root on another filesystem"
-            )
-        return False
+        found = rebuild(self.config, self._fp16, self._cat)
+        self._partials_cleaned = found.partials_cleaned
+        self._orphans = found.orphans
+        self._corrupt_total = found.corrupt
 
     @property
     def direct_io(self) -> bool:
         """Whether this root's segments are read and written around the page cache."""
         return self._direct
 
-    def _rebuild(self) -> None:
-        names = sorted(os.listdir(self._seg_dir))
-        segs: list[tuple[float, str, int]] = []
-        for name in names:
-            path = self._seg_dir / name
-            if name.endswith(F.PARTIAL_SUFFIX):
-                # A writer died before its rename: the batch was never acknowledged.
-                try:
-                    path.unlink()
-                    self._partials_cleaned += 1
-                except OSError:
-                    pass  # read-only root: never indexed, so never served
-            elif F.segment_name_ok(name):
-                st = path.stat()
-                segs.append((st.st_mtime, name, st.st_size))
-            else:
-                self._orphans += 1  # not ours: fsck reports it, the tier ignores it
-        segs.sort()
-        show = Progress.wanted(
-            len(segs), min_items=self.config.progress_min_files, force=self.config.progress
-        )
-        bar = Progress(f"indexing {self._root}", len(segs), enabled=show)
-        for _mtime, name, size in segs:
-            self._load_segment(name, size)
-            bar.advance()
-        bar.close()
-        self._evict_for(0)
-
-    def _load_segment(self, name: str, size: int) -> None:
-        path = self._seg_dir / name
-        if size == 0:
-            self._try_repair(lambda: F.quarantine_file(self._root, path, "empty segment"))
-            return
-        seg = _Segment(name=name, size=size)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            items = scan_segment(fd, size)
-        finally:
-            os.close(fd)
-        for item in items:
-            if item.dead:
-                continue
-            h = item.header
-            problem = item.problem
-            if problem is None and h is not None and h.fingerprint != self._fp16:
-                problem = "layout fingerprint mismatch"
-            if problem is not None:
-                key = h.key if h is not None else None
-                self._corrupt_total += 1
-                self._try_repair(
-                    functools.partial(
-                        self._quarantine, name, item.offset, item.span, key, problem, size
-                    )
-                )
-                continue
-            assert h is not None
-            if h.key in self._index:  # a duplicate from racing writers: first copy wins
-                continue
-            self._index[h.key] = _Entry(seg, item.offset, h.payload_len, h.head_bytes)
-            seg.live.add(h.key)
-        if seg.live:
-            self._segments[name] = seg
-            self._used += size
-        else:
-            self._try_repair(lambda: self._unlink_segments([name]))
-
-    @staticmethod
-    def _try_repair(fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except OSError:
-            pass  # read-only root: the record is not indexed, so it is never served
-
-    # --- IO helpers -------------------------------------------------------------------------
-
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def _quarantine(
-        self, seg_name: str, offset: int, span: int, key: bytes | None, reason: str, size: int
-    ) -> None:
-        F.quarantine_span(self._root, seg_name, offset, span, key, reason)
-        F.kill_span(self._seg_dir / seg_name, offset, span, size)
-
-    def _unlink_segments(self, names: list[str]) -> None:
-        for name in names:
-            try:
-                (self._seg_dir / name).unlink()
-            except FileNotFoundError:
-                pass
-        if names:
-            F.fsync_dir(self._seg_dir)
-
-    def _evict_for(self, incoming: int) -> list[str]:
-        """Drop least recently used segments from the index until ``incoming`` bytes fit; the
-        caller unlinks the returned files."""
-        gone: list[str] = []
-        while self._segments and self._used + incoming > self.config.capacity_bytes:
-            _, seg = self._segments.popitem(last=False)
-            for key in seg.live:
-                del self._index[key]
-            self._evicted_pages += len(seg.live)
-            seg.live.clear()
-            self._used -= seg.size
-            gone.append(seg.name)
-        if gone and incoming == 0:
-            self._try_repair(lambda: self._unlink_segments(gone))
-        return gone
 
     # --- writes -----------------------------------------------------------------------------
 
@@ -314,16 +152,6 @@ class DiskTier(Tier):
         return _io.write_segment(
             self._seg_dir, name, self._fp16, items, digests, direct=self._direct
         )
-
-    def _segment_name(self, keys: list[bytes]) -> str:
-        # Named by a hash of its content hashes (plus time and pid, so that rewriting the same
-        # keys after a delete never reuses a name): hex only, never caller text.
-        salt = struct.pack("<qq", time.time_ns(), os.getpid())
-        while True:
-            name = xxhash.xxh3_128_hexdigest(b"".join(keys) + salt) + F.SEGMENT_SUFFIX
-            if name not in self._segments:
-                return name
-            salt += b"\0"
 
     def _chunks(self, fresh: list[_Item]) -> list[list[_Item]]:
         """``fresh`` cut into runs that each fit one segment (order kept)."""
@@ -360,9 +188,9 @@ class DiskTier(Tier):
         fresh: list[tuple[bytes, memoryview]] = []
         seen: set[bytes] = set()
         for key, view in views:
-            entry = self._index.get(key)
+            entry = self._cat.index.get(key)
             if entry is not None:
-                self._segments.move_to_end(entry.segment.name)
+                self._cat.touch(entry)
             elif key not in seen:
                 seen.add(key)
                 fresh.append((key, view))
@@ -380,28 +208,27 @@ class DiskTier(Tier):
             done += len(chunk)
             heads = record_heads(v.nbytes for _, v in chunk)
             size = sum(heads) + sum(v.nbytes for _, v in chunk)
-            gone = self._evict_for(size)
-            self._used += size  # reserved before the write so concurrent puts respect capacity
-            name = self._segment_name([k for k, _ in chunk])
+            gone = self._cat.evict_for(size)
+            self._cat.used += size  # reserved before the write: concurrent puts respect capacity
+            name = self._cat.new_name([k for k, _ in chunk])
             try:
                 if gone:
-                    await self._run(self._unlink_segments, gone)
+                    await self._run(unlink_segments, self._seg_dir, gone)
                 await self._run(self._write_segment, name, chunk, digests)
             except OSError as exc:
-                self._used -= size
+                self._cat.used -= size
                 if isinstance(exc, StorageError):
                     raise
                 raise F.storage_error(
                     exc, f"cannot write {len(chunk)} pages to {self._root}"
                 ) from None
-            seg = _Segment(name=name, size=size)
+            seg = Segment(name=name, size=size)
             offset = 0
             for (key, view), head in zip(chunk, heads, strict=True):
-                if key not in self._index:  # a concurrent put may have stored it meanwhile
-                    self._index[key] = _Entry(seg, offset, view.nbytes, head)
-                    seg.live.add(key)
+                # A concurrent put may have stored the page meanwhile: claim keeps that copy.
+                self._cat.claim(seg, key, offset, view.nbytes, head)
                 offset += head + view.nbytes
-            self._segments[name] = seg
+            self._cat.segments[name] = seg
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -410,10 +237,10 @@ class DiskTier(Tier):
     ) -> list[bytes | int | _io.Corrupt | None]:
         raws = [normalize_key(k) for k in keys]
         plan: list[_io.ReadItem] = []
-        entries: list[_Entry] = []
+        entries: list[Entry] = []
         where: list[int] = []
         for i, key in enumerate(raws):
-            entry = self._index.get(key)
+            entry = self._cat.index.get(key)
             if entry is not None:
                 plan.append(
                     _io.ReadItem(
@@ -422,7 +249,7 @@ class DiskTier(Tier):
                 )
                 entries.append(entry)
                 where.append(i)
-                self._segments.move_to_end(entry.segment.name)
+                self._cat.touch(entry)
         views = [outs[i] for i in where] if outs is not None else None
         got = await self._run(
             functools.partial(_io.read_records, direct=self._direct),
@@ -439,20 +266,10 @@ class DiskTier(Tier):
             out[i] = result
             if isinstance(result, _io.Corrupt):
                 self._corrupt_total += 1
-                self._drop(item.key, entry, dead)
+                self._cat.drop(item.key, entry, dead)
         if dead:
-            await self._run(self._unlink_segments, dead)
+            await self._run(unlink_segments, self._seg_dir, dead)
         return out
-
-    def _drop(self, key: bytes, entry: _Entry, dead: list[str]) -> None:
-        if self._index.get(key) is not entry:
-            return
-        del self._index[key]
-        seg = entry.segment
-        seg.live.discard(key)
-        if not seg.live and self._segments.pop(seg.name, None) is not None:
-            self._used -= seg.size
-            dead.append(seg.name)
 
     async def get_many(self, keys: Sequence[bytes | str]) -> list[bytes | None]:
         return [r if isinstance(r, bytes) else None for r in await self._read(keys, None)]
@@ -492,58 +309,50 @@ class DiskTier(Tier):
     # --- the rest of the interface ----------------------------------------------------------
 
     async def contains_many(self, keys: Sequence[bytes | str]) -> list[bool]:
-        return [normalize_key(k) in self._index for k in keys]
-
-    def _delete_records(self, spans: list[tuple[str, int, int, int]], unlink: list[str]) -> None:
-        for seg_name, offset, span, size in spans:
-            try:
-                F.kill_span(self._seg_dir / seg_name, offset, span, size)
-            except FileNotFoundError:
-                pass
-        self._unlink_segments(unlink)
+        return [normalize_key(k) in self._cat.index for k in keys]
 
     async def delete_many(self, keys: Sequence[bytes | str]) -> list[bool]:
         raws = [normalize_key(k) for k in keys]
         removed: list[bool] = []
         dead: list[str] = []
-        spans: list[tuple[str, int, int, int]] = []
+        spans: list[Span] = []
         for key in raws:
-            entry = self._index.get(key)
+            entry = self._cat.index.get(key)
             removed.append(entry is not None)
             if entry is None:
                 continue
-            self._drop(key, entry, dead)
+            self._cat.drop(key, entry, dead)
             if entry.segment.live:  # others still live there: tombstone just this record
                 span = entry.head_bytes + entry.payload_len
                 spans.append((entry.segment.name, entry.offset, span, entry.segment.size + 1))
         spans = [s for s in spans if s[0] not in dead]
         if spans or dead:
             try:
-                await self._run(self._delete_records, spans, dead)
+                await self._run(delete_records, self._seg_dir, spans, dead)
             except OSError as exc:
                 raise F.storage_error(exc, f"cannot delete pages from {self._root}") from None
         return removed
 
     async def keys(self) -> AsyncIterator[bytes]:
-        for key in list(self._index):
+        for key in list(self._cat.index):
             yield key
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._cat.index)
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._cat.used
 
     @property
     def stats(self) -> DiskTierStats:
         return DiskTierStats(
-            pages=len(self._index),
-            segments=len(self._segments),
-            used_bytes=self._used,
+            pages=len(self._cat.index),
+            segments=len(self._cat.segments),
+            used_bytes=self._cat.used,
             capacity_bytes=self.config.capacity_bytes,
             corrupt_total=self._corrupt_total,
-            evicted_pages_total=self._evicted_pages,
+            evicted_pages_total=self._cat.evicted_pages,
             partials_cleaned=self._partials_cleaned,
             orphans=self._orphans,
         )

@@ -18,9 +18,7 @@ completes, while they are still in its core's cache.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,8 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
-
-import numpy as np
 
 from tessera_ray.core import BlockPool
 from tessera_ray.errors import (
@@ -39,6 +35,13 @@ from tessera_ray.errors import (
     TransportError,
     TransportUnavailableError,
 )
+from tessera_ray.transport._nixl_agent import (
+    PROGRESS_DELAY_RELEASES,
+    import_nixl,
+    new_agent,
+    nixl_version,
+)
+from tessera_ray.transport._nixl_descs import memory_of, slot_descs
 from tessera_ray.transport.base import (
     PeerInfo,
     TransferState,
@@ -48,6 +51,7 @@ from tessera_ray.transport.base import (
 )
 from tessera_ray.transport.config import TransportConfig
 
+# The agent helpers live in _nixl_agent; they stay importable from here, where callers look.
 __all__ = ["NixlTransport", "import_nixl", "nixl_version", "PROGRESS_DELAY_RELEASES"]
 
 log = logging.getLogger(__name__)
@@ -74,101 +78,6 @@ _Item = tuple[_Job, TransferTicket, list[int], list[int], list[int]]
 """A queued read: its job, ticket, local slots, local and remote descriptor indices."""
 
 
-def import_nixl() -> tuple[Any, Any]:
-    """``(nixl_agent, nixl_agent_config)``, or :class:`TransportUnavailableError`.
-
-    UCX's modules are the operator's choice (``UCX_MODULES``): the package never turns RDMA
-    off. A host whose system libibverbs makes UCX crash a process at exit sets ``^ib`` itself.
-    """
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except Exception as e:  # ImportError, or a broken wheel failing while loading its library
-        raise TransportUnavailableError(f"NIXL is not importable here: {e}") from e
-    return nixl_agent, nixl_agent_config
-
-
-_AGENT_LOCK = threading.Lock()
-
-
-PROGRESS_DELAY_RELEASES: tuple[str, ...] = ("1.5.",)
-"""NIXL releases whose Python wrapper :func:`_new_agent`'s patch was written against (the
-wrapper calls ``nixlBind.nixlAgent(name, config)`` with a config it built itself). On any other
-release the agent is built unpatched, its progress thread spinning, and a warning says so."""
-
-
-def nixl_version() -> str | None:
-    """The installed NIXL release (its wheels are named per CUDA major), or ``None``."""
-    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _new_agent(nixl_agent: Any, name: str, conf: Any, progress_delay_us: int) -> Any:
-    """A NIXL agent whose progress thread pauses ``progress_delay_us`` between polls.
-
-    NIXL's Python wrapper builds the native agent config itself and sets the progress-thread
-    delay to 0 (a spinning thread, one core per agent). The native config has the field, so
-    the wrapper's handle on the bindings is swapped, only while the agent is built, for one
-    that sets the delay first; everything else passes through untouched. Only on the releases
-    it was written for: a wrapper refactored upstream could drop the delay silently.
-    """
-    api: Any = sys.modules[nixl_agent.__module__]
-    real: Any = getattr(api, "nixlBind", None)
-    if real is None or progress_delay_us == 0:
-        return nixl_agent(name, conf)
-    version = nixl_version()
-    if version is None or not version.startswith(PROGRESS_DELAY_RELEASES):
-        log.warning(
-            "NIXL %s is not a release the progress-thread delay was written for (%s); its "
-            "progress thread spins a core per agent",
-            version,
-            ", ".join(f"{r}x" for r in PROGRESS_DELAY_RELEASES),
-        )
-        return nixl_agent(name, conf)
-
-    class _Bindings:
-        def __getattr__(self, attr: str) -> Any:
-            return getattr(real, attr)
-
-        @staticmethod
-        def nixlAgent(agent_name: str, agent_config: Any) -> Any:
-            agent_config.pthrDelay = progress_delay_us
-            return real.nixlAgent(agent_name, agent_config)
-
-    with _AGENT_LOCK:
-        api.nixlBind = _Bindings()
-        try:
-            return nixl_agent(name, conf)
-        finally:
-            api.nixlBind = real
-
-
-def _mem(pool_device: str) -> tuple[str, int]:
-    if pool_device.startswith("cuda"):
-        _, _, idx = pool_device.partition(":")
-        return "VRAM", int(idx or 0)
-    return "DRAM", 0
-
-
-def _slot_descs(regions: list[tuple[int, int, int]], dev: int) -> tuple[np.ndarray, list[int]]:
-    """Nx3 ``(address, length, device)``, one row per page slot of every ``(base, num_pages,
-    page_bytes)`` region, and each region's first row."""
-    rows, offsets = [], []
-    start = 0
-    for base, num_pages, page_bytes in regions:
-        descs = np.empty((num_pages, 3), dtype=np.uint64)
-        descs[:, 0] = base + np.arange(num_pages, dtype=np.uint64) * np.uint64(page_bytes)
-        descs[:, 1] = page_bytes
-        descs[:, 2] = dev
-        rows.append(descs)
-        offsets.append(start)
-        start += num_pages
-    return np.concatenate(rows), offsets
-
-
 class NixlTransport(Transport):
     """See the module docstring. Raises :class:`TransportUnavailableError` when no agent starts."""
 
@@ -181,7 +90,7 @@ class NixlTransport(Transport):
         super().__init__(config, name=name)
         nixl_agent, nixl_agent_config = import_nixl()
         try:
-            self._agent = _new_agent(
+            self._agent = new_agent(
                 nixl_agent,
                 name,
                 nixl_agent_config(
@@ -219,10 +128,10 @@ class NixlTransport(Transport):
         self._on_io(lambda: self._register_io(pools))
 
     def _register_io(self, pools: tuple[BlockPool, ...]) -> None:
-        mem_type, dev = _mem(str(pools[0].data.device))
+        mem_type, dev = memory_of(str(pools[0].data.device))
         try:
             self._reg = self._agent.register_memory([p.data for p in pools])
-            descs, self._local_offsets = _slot_descs(
+            descs, self._local_offsets = slot_descs(
                 [(p.data.data_ptr(), p.data.shape[0], p.page_bytes) for p in pools], dev
             )
             self._local = self._agent.prep_xfer_dlist(_INIT_AGENT, descs, mem_type)
@@ -238,7 +147,7 @@ class NixlTransport(Transport):
         self._on_io(lambda: self._add_peer_io(info))
 
     def _add_peer_io(self, info: PeerInfo) -> None:
-        mem_type, dev = _mem(info.regions[0].device)
+        mem_type, dev = memory_of(info.regions[0].device)
         try:
             loaded = self._agent.add_remote_agent(info.metadata)
         except Exception as e:
@@ -249,7 +158,7 @@ class NixlTransport(Transport):
             raise TransportConfigError(
                 f"peer info names {info.name!r} but its metadata is agent {loaded!r}"
             )
-        descs, offsets = _slot_descs(
+        descs, offsets = slot_descs(
             [(r.base_addr, r.num_pages, r.page_bytes) for r in info.regions], dev
         )
         try:
@@ -390,8 +299,8 @@ class NixlTransport(Transport):
 
     def _state(self, handle: Any, posted: str | None = None) -> TransferState:
         """The request's state: ``posted``, what posting it answered, when given (over cma the
-        copy is done inside that call, which then says DONE: asking again is a progress call,
-        about 25 us per request here, 0.9 ms over the 37 requests of 256 MLA pages)."""
+        copy is done inside that call, which then says DONE: asking again would be one more
+        progress call per request, a cost that adds up over a read of many requests)."""
         if posted is not None:
             return _STATES.get(posted, TransferState.FAILED)
         try:

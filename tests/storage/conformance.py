@@ -1,4 +1,4 @@
-"""One conformance class every tier passes (STYLE.md item 7); subclasses supply ``make_tier``.
+"""One conformance class every tier passes; subclasses supply ``make_tier``.
 
 Tests build tiers of room for at least 8 pages of 256 B (plus overhead) unless they say so.
 """

@@ -1,4 +1,4 @@
-"""Hypothesis state machine: each tier behaves like a plain dict (STYLE.md item 7)."""
+"""Hypothesis state machine: each tier behaves like a plain dict."""
 
 from __future__ import annotations
 

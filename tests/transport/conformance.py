@@ -1,4 +1,4 @@
-"""One conformance class every transport passes (STYLE.md item 7).
+"""One conformance class every transport passes.
 
 Subclasses supply ``make_owner`` (in-process :class:`Node` or an actor proxy) and ``KIND``; the
 reader is always an in-process :class:`Node`, so its pool can be inspected directly.

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tessera_ray.transport import _nixl_agent
 from tessera_ray.transport import nixl as nixl_transport
 
 
@@ -48,10 +49,10 @@ def test_the_delay_is_set_on_the_releases_it_was_written_for(
     monkeypatch: pytest.MonkeyPatch, wrapper: tuple[Any, _Bindings]
 ) -> None:
     nixl_agent, bindings = wrapper
-    monkeypatch.setattr(nixl_transport, "nixl_version", lambda: "1.5.1")
-    assert nixl_transport._new_agent(nixl_agent, "a", None, 200) == ("a", 200)
+    monkeypatch.setattr(_nixl_agent, "nixl_version", lambda: "1.5.1")
+    assert _nixl_agent.new_agent(nixl_agent, "a", None, 200) == ("a", 200)
     assert sys.modules["fake_nixl_api"].nixlBind is bindings  # swapped back after the build
-    assert nixl_transport._new_agent(nixl_agent, "b", None, 0) == ("b", 0)  # 0: untouched
+    assert _nixl_agent.new_agent(nixl_agent, "b", None, 0) == ("b", 0)  # 0: untouched
 
 
 @pytest.mark.parametrize("version", ["1.6.0", "2.0.0", None])
@@ -62,9 +63,9 @@ def test_another_release_gets_an_unpatched_agent_and_a_warning(
     version: str | None,
 ) -> None:
     nixl_agent, bindings = wrapper
-    monkeypatch.setattr(nixl_transport, "nixl_version", lambda: version)
+    monkeypatch.setattr(_nixl_agent, "nixl_version", lambda: version)
     with caplog.at_level(logging.WARNING, logger=nixl_transport.__name__):
-        assert nixl_transport._new_agent(nixl_agent, "c", None, 200) == ("c", 0)
+        assert _nixl_agent.new_agent(nixl_agent, "c", None, 200) == ("c", 0)
     assert "progress thread spins" in caplog.text and str(version) in caplog.text
     assert bindings.built == [("c", 0)]
 

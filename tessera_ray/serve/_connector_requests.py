@@ -1,0 +1,88 @@
+"""The scheduler-side state the vLLM connector's planner keeps per request: the request
+itself (only the parts of vLLM's ``Request`` it reads), the tier lookup in flight, what that
+lookup matched, and the keys, blocks and loads recorded so far.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.serve._connector_records import BlockLoad, TokenRows
+
+__all__ = [
+    "LookupFuture",
+    "RequestLike",
+    "TierLookup",
+    "PendingLookup",
+    "LookupMatch",
+    "TrackedRequest",
+]
+
+LookupFuture = concurrent.futures.Future[list[BlockHash | None]]
+
+
+class RequestLike(Protocol):
+    """The parts of vLLM's ``Request`` the planner reads."""
+
+    request_id: str
+    cache_salt: str | None
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class TierLookup(Protocol):
+    """What the planner needs of the tier (a :class:`TierBackend` has it)."""
+
+    def lookup_async(self, namespace: str, keys: Sequence[TokenKey]) -> LookupFuture:
+        """Start one batched lookup; the future gives, per key, the block hash or ``None``."""
+        ...
+
+
+@dataclass(slots=True)
+class PendingLookup:
+    """A lookup in flight for the tier blocks ``first .. first + len(keys)`` of a request."""
+
+    first: int
+    keys: list[TokenKey]
+    future: LookupFuture
+    started_s: float
+
+
+@dataclass(slots=True)
+class LookupMatch:
+    """The tier blocks a finished lookup found, from the position vLLM asked about."""
+
+    computed: int
+    first: int
+    keys: list[TokenKey]
+    hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    """One request the planner follows, from its first lookup until it finishes."""
+
+    request: RequestLike
+    namespace: str
+    keys: list[TokenKey] = field(default_factory=list)
+    mm_index: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    known_blocks: int = 0
+    """Leading tier blocks the tier holds or that were already handed to a worker to save."""
+    lookup: PendingLookup | None = None
+    relook_s: float = 0.0
+    """No new lookup before this time (waiting on blocks this engine is storing)."""
+    match: LookupMatch | None = None
+    load: BlockLoad | None = None
+    loaded: TokenRows | None = None
+    """Where the last load wrote, to map a failed engine block back to a tier block."""
+    tier_tokens: int = 0
+    """Prompt tokens the last load took from the tier, less any that failed to load."""
