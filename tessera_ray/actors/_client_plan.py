@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+import torch
 
 from tessera_ray.actors.directory import LookupResult, Tier
 from tessera_ray.actors.messages import BlockFailure, FetchFailure
@@ -130,8 +131,8 @@ def assign_holders(results: Sequence[LookupResult | None]) -> dict[str, list[int
 
 
 def merge_partials(
-    pools: Sequence[str], partials: Sequence[tuple[Any, Any, Sequence[int]]]
-) -> tuple[Any, Any]:
+    pools: Sequence[str], partials: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int]]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the pools' partial ``(out, lse, missing)`` exactly (LSE merge). Raises
     ``LookupError`` when a pool lost blocks since the lookup (the caller retries)."""
     # Imported on use: only attention needs the kernels package, not the rest of the client.

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import numpy as np
-import ray
 
-from tessera_ray.actors._ray_names import CALL_TIMEOUT_S, DEAD
+from tessera_ray.actors._ray_handles import ActorCache, PoolRef
 from tessera_ray.actors.channel import ChannelClient, ChannelError, PendingCall, send_if_open
 from tessera_ray.actors.directory_actor import ShardedDirectory
 from tessera_ray.actors.messages import PinTicket
@@ -42,7 +40,7 @@ class RayOwnerLinks:
         self.ray_namespace = ray_namespace
         self.directory = directory
         self.use_channels = channels
-        self.handles: dict[str, Any] = {}
+        self.actors = ActorCache(ray_namespace)
         """Actor handles of the owners fetched from (dropped when one fails)."""
         self.channels: dict[str, ChannelClient | None] = {}
         """Per owner, the open channel to it, or ``None`` where it serves none (Ray only)."""
@@ -50,17 +48,8 @@ class RayOwnerLinks:
     def link(self, owner_name: str) -> RayOwnerLink:
         return RayOwnerLink(self, owner_name)
 
-    def handle(self, owner_name: str) -> Any:
-        """The owner's actor handle, looked up once: a lookup is a blocking call to Ray's
-        control store, on this actor's event loop, on every fetch otherwise."""
-        handle = self.handles.get(owner_name)
-        if handle is None:
-            try:
-                handle = ray.get_actor(owner_name, namespace=self.ray_namespace)
-            except ValueError as exc:  # no actor of that name (yet)
-                raise _unavailable(owner_name, exc) from exc
-            self.handles[owner_name] = handle
-        return handle
+    def ref(self, owner_name: str) -> PoolRef:
+        return PoolRef(self.actors, owner_name)
 
     async def channel(self, owner_name: str) -> ChannelClient | None:
         """The open channel to ``owner_name``, connecting on first use; ``None`` when this pool
@@ -72,16 +61,13 @@ class RayOwnerLinks:
             if known is None or not known.closed:
                 return known
         try:
-            owner = self.handle(owner_name)
-            address = await asyncio.wait_for(owner.channel.remote(), CALL_TIMEOUT_S)
+            address = await self.ref(owner_name).channel()
             client = None if address is None else await ChannelClient.connect(address, 5.0)
         except ChannelError as e:
             log.info(
                 "pool %s: no channel to %s (%s); pinning through Ray", self.pool_name, owner_name, e
             )
             return None  # asked again next time: the owner may be back
-        except (*DEAD, TimeoutError) as exc:
-            raise _unavailable(owner_name, exc) from exc
         known = self.channels.get(owner_name)
         if known is not None and not known.closed:
             # Another fetch connected meanwhile: keep one connection per owner.
@@ -108,7 +94,11 @@ class _RayPendingPin:
         self._access = access
         self._keys = keys
         self._call = call
-        self._ref: Any = None if call is not None else link.owner.pin.remote(access, keys)
+        self._ray: asyncio.Future[PinTicket] | None = None if call is not None else self._by_ray()
+
+    def _by_ray(self) -> asyncio.Future[PinTicket]:
+        # Sent now, not when awaited: the pin travels while the reader reserves its slots.
+        return asyncio.ensure_future(self._link.ref.pin(self._access, self._keys, None))
 
     async def answer(self, timeout_s: float) -> PinTicket:
         link = self._link
@@ -119,9 +109,10 @@ class _RayPendingPin:
                     return ticket
                 except ChannelError:  # broken or refused: the Ray call decides
                     link.links.channels.pop(link.name, None)
-                    self._ref = link.owner.pin.remote(self._access, self._keys)
-            return await asyncio.wait_for(self._ref, timeout_s)
-        except (*DEAD, TimeoutError) as exc:
+                    self._ray = self._by_ray()
+            assert self._ray is not None
+            return await asyncio.wait_for(self._ray, timeout_s)
+        except TimeoutError as exc:
             raise _unavailable(link.name, exc) from exc
 
     def cancel(self) -> None:
@@ -137,8 +128,8 @@ class RayOwnerLink:
         self.name = name
 
     @property
-    def owner(self) -> Any:
-        return self.links.handle(self.name)
+    def ref(self) -> PoolRef:
+        return self.links.ref(self.name)
 
     async def pin(self, access: Access, keys: list[TokenKey]) -> _RayPendingPin:
         channel = await self.links.channel(self.name)
@@ -155,43 +146,25 @@ class RayOwnerLink:
         info = await self.links.directory.peer(self.name)
         if info is not None:
             return info
-        try:
-            found: PeerInfo | None = await asyncio.wait_for(
-                self.owner.peer_info.remote(), CALL_TIMEOUT_S
-            )
-        except (*DEAD, TimeoutError) as exc:
-            raise _unavailable(self.name, exc) from exc
-        return found
+        return await self.ref.peer_info()
 
     async def read_pinned(self, pin_id: int, timeout_s: float) -> np.ndarray:
-        try:
-            payload: np.ndarray = await asyncio.wait_for(
-                self.owner.read_pinned.remote(pin_id), timeout_s
-            )
-        except DEAD as exc:
-            raise _unavailable(self.name, exc) from exc
-        return payload
+        return await self.ref.read_pinned(pin_id, timeout_s)
 
     def unpin(self, pin_id: int) -> None:
         if send_if_open(self.links.channels.get(self.name), "unpin", pin_id):
             return
-        try:
-            self.owner.unpin.remote(pin_id)
-        except PoolUnavailableError:
-            pass  # the pin ends with its lease
+        self.ref.unpin_soon(pin_id)  # if it is lost, the pin ends with its lease
 
     async def check_after_unpin(self, pin_id: int, access: Access, keys: list[TokenKey]) -> None:
         # Through Ray, not the channel: its answer says when the unpin landed (a block still
         # pinned cannot be dropped).
-        try:
-            await self.owner.unpin.remote(pin_id)
-            await self.owner.check_blocks.remote(access, keys)
-        except DEAD as exc:
-            raise _unavailable(self.name, exc) from exc
+        await self.ref.unpin(pin_id)
+        await self.ref.check_blocks(access, keys)
 
     def forget(self) -> None:
         # A pool of that name may come back as another actor.
-        self.links.handles.pop(self.name, None)
+        self.links.actors.forget(self.name)
         self.links.drop_channel(self.name)
 
     def restarted(self) -> None:

@@ -4,7 +4,8 @@
 is batched: one directory round trip per shard per request. The actor shells it starts live
 beside it: :class:`~tessera_ray.actors.pool_actor.PoolActor` and
 :class:`~tessera_ray.actors.directory_actor.DirectoryActor` (re-exported here). These three
-modules, with ``_ray_names``, are the ones of ``actors/`` that make Ray calls.
+modules, with ``_ray_handles`` (the typed calls they all make) and ``_ray_owner``, are the ones of
+``actors/`` that import Ray.
 
 Actor names: ``tessera-dir-<i>`` and ``tessera-pool-<node>-<i>`` in the tier's Ray namespace.
 """
@@ -12,23 +13,29 @@ Actor names: ``tessera-dir-<i>`` and ``tessera-pool-<node>-<i>`` in the tier's R
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import ray
+import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tessera_ray.actors._client_nodes import inherited_raylet_node, pool_specs
 from tessera_ray.actors._client_plan import FetchPlan, FetchResult, assign_holders, merge_partials
 from tessera_ray.actors._client_sync import blocking, run_blocking
-from tessera_ray.actors._ray_names import CALL_TIMEOUT_S as _CALL_TIMEOUT_S
-from tessera_ray.actors._ray_names import DEAD as _DEAD
-from tessera_ray.actors._ray_names import DIR_PREFIX, POOL_PREFIX
-from tessera_ray.actors._ray_names import shard_name as _shard_name
-from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+from tessera_ray.actors._ray_handles import (
+    DIR_PREFIX,
+    POOL_PREFIX,
+    ActorCache,
+    PoolRef,
+    ShardRef,
+    shard_name,
+)
+from tessera_ray.actors.config import TierConfig
 from tessera_ray.actors.directory import DirectoryStats, LookupResult
 from tessera_ray.actors.directory_actor import DirectoryActor
 from tessera_ray.actors.links import sharded_lookup
@@ -88,6 +95,7 @@ class TesseraClient:
         self.pools = pools
         self.owns_ray = owns_ray
         """True when :meth:`start` started the embedded Ray; :meth:`stop` then shuts it down."""
+        self._actors = ActorCache(config.ray_namespace)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -125,7 +133,7 @@ class TesseraClient:
         here = ray.get_runtime_context().get_node_id()
         for i in range(config.num_shards):
             DirectoryActor.options(  # type: ignore[attr-defined]
-                name=_shard_name(i),
+                name=shard_name(i),
                 namespace=config.ray_namespace,
                 lifetime="detached",
                 max_restarts=-1,
@@ -196,11 +204,8 @@ class TesseraClient:
                 f"no tessera-ray pools in Ray namespace {ray_namespace!r}; start the tier first "
                 f"(tessera-ray start)"
             )
-        described = cast(
-            tuple[ModelLayout, PoolServiceConfig, int],
-            ray.get(ray.get_actor(pools[0], namespace=ray_namespace).describe.remote()),
-        )
-        layout, pool_cfg, num_shards = described
+        first = PoolRef(ActorCache(ray_namespace), pools[0])
+        layout, pool_cfg, num_shards = run_blocking(first.describe())
         config = TierConfig(
             model=layout.model, pool=pool_cfg, num_shards=num_shards, ray_namespace=ray_namespace
         )
@@ -209,7 +214,7 @@ class TesseraClient:
     def stop(self) -> None:
         """Kill the tier's actors (the disk tiers stay on disk), and the embedded Ray if
         :meth:`start` started it."""
-        for name in [*self.pools, *(_shard_name(i) for i in range(self.config.num_shards))]:
+        for name in [*self.pools, *(shard_name(i) for i in range(self.config.num_shards))]:
             try:
                 ray.kill(ray.get_actor(name, namespace=self.config.ray_namespace), no_restart=True)
             except ValueError:
@@ -225,11 +230,21 @@ class TesseraClient:
 
     # ------------------------------------------------------------------ handles
 
+    def pool_ref(self, name: str) -> PoolRef:
+        """Pool ``name``, through the typed calls every caller in the package makes."""
+        return PoolRef(self._actors, name)
+
+    def shard_ref(self, i: int) -> ShardRef:
+        return ShardRef(self._actors, i)
+
     def pool(self, name: str) -> Any:
-        return ray.get_actor(name, namespace=self.config.ray_namespace)
+        """Pool ``name``'s raw Ray actor handle (for operators and tests: ``ray.kill``, a call
+        the typed interface does not offer)."""
+        return self._actors.get(name)
 
     def shard(self, i: int) -> Any:
-        return ray.get_actor(_shard_name(i), namespace=self.config.ray_namespace)
+        """Directory shard ``i``'s raw Ray actor handle (see :meth:`pool`)."""
+        return self._actors.get(shard_name(i))
 
     def node_pool(self, node_id: str) -> str | None:
         """The (first) pool on node ``node_id``, ``None`` when the node has none."""
@@ -257,20 +272,15 @@ class TesseraClient:
     ) -> list[StoredBlock]:
         """Two-phase store into ``pool``: reserve, then commit (the pool registers the blocks
         with the directory); a failed commit aborts the reservation."""
-        actor = self.pool(pool)
-        res = await actor.reserve.remote(len(token_keys))
+        actor = self.pool_ref(pool)
+        res = await actor.reserve(len(token_keys))
         try:
-            stored: list[StoredBlock] = await actor.commit.remote(
-                res.id, namespace, list(token_keys), payloads
-            )
-            return stored
+            return await actor.commit(res.id, namespace, list(token_keys), payloads)
         except BaseException:
             # Awaited, so a refused store has returned its slots when the error reaches the
             # caller (the lease would return them anyway, later).
-            try:
-                await asyncio.wait_for(actor.abort.remote(res.id), _CALL_TIMEOUT_S)
-            except (*_DEAD, TimeoutError):
-                pass
+            with contextlib.suppress(PoolUnavailableError):
+                await actor.abort(res.id)
             raise
 
     async def alookup(
@@ -280,13 +290,12 @@ class TesseraClient:
         raises :class:`DirectoryUnavailableError` when ``strict`` (a caller that must tell "not
         held" from "not known", such as a request router)."""
 
-        async def ask(s: int, keys: list[TokenKey]) -> Any:
-            ref = self.shard(s).lookup.remote(namespace, keys)
+        async def ask(s: int, keys: list[TokenKey]) -> list[LookupResult | None] | None:
             try:
-                return await asyncio.wait_for(ref, _CALL_TIMEOUT_S)
-            except (*_DEAD, TimeoutError) as exc:
+                return await self.shard_ref(s).lookup(namespace, keys)
+            except DirectoryUnavailableError as exc:
                 if strict:
-                    raise DirectoryUnavailableError(f"directory shard {s}: {exc}") from exc
+                    raise
                 log.warning("directory shard %d unavailable: %s; answering misses", s, exc)
                 return None
 
@@ -294,10 +303,8 @@ class TesseraClient:
 
     async def apurge_pool(self, pool: str) -> None:
         async def purge(s: int) -> None:
-            try:
-                await asyncio.wait_for(self.shard(s).purge_pool.remote(pool), _CALL_TIMEOUT_S)
-            except (*_DEAD, TimeoutError):
-                pass
+            with contextlib.suppress(DirectoryUnavailableError):
+                await self.shard_ref(s).purge_pool(pool)
 
         await asyncio.gather(*(purge(s) for s in range(self.config.num_shards)))
 
@@ -308,15 +315,15 @@ class TesseraClient:
         pulled (memory replicas first, then disk), a dead owner is purged and the next replica
         tried; what no live replica has is a miss (the engine recomputes it)."""
         plan = FetchPlan(into, token_keys, await self.alookup(namespace, token_keys))
-        target = self.pool(into)
+        target = self.pool_ref(into)
         if plan.local:
             # Confirm the local hits (the directory may lag an eviction) and mark them used, so
             # the pool keeps them over older blocks; a stale one is pulled like any other.
-            plan.confirm_local(await target.contains.remote(namespace, plan.local, True))
+            plan.confirm_local(await target.contains(namespace, plan.local, True))
         while plan.pending:
             by_owner = plan.by_owner()
             answers = await asyncio.gather(
-                *(target.fetch_from.remote(o, namespace, ks) for o, ks in by_owner.items())
+                *(target.fetch_from(o, namespace, ks) for o, ks in by_owner.items())
             )
             for (owner, owner_keys), reasons in zip(by_owner.items(), answers, strict=True):
                 if plan.owner_lost(reasons):
@@ -329,22 +336,20 @@ class TesseraClient:
         namespace: Access,
         token_keys: Sequence[TokenKey],
         layer: int,
-        q: Any,
+        q: torch.Tensor,
         seqlen: int,
         softmax_scale: float,
         causal: bool = True,
-    ) -> tuple[Any, Any]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MLA attention of one sequence where its pages live: each block is assigned to one
         pool holding it in memory, every pool computes its partial (out, lse) over its blocks,
         and the partials are merged exactly (LSE merge). Raises ``LookupError`` naming blocks
         no pool holds in memory (fetch them first, or recompute)."""
         assigned = assign_holders(await self.alookup(namespace, token_keys))
-        keys = list(token_keys)
+        keys, scale = list(token_keys), softmax_scale
         partials = await asyncio.gather(
             *(
-                self.pool(p).attend.remote(
-                    namespace, keys, pos, layer, q, seqlen, softmax_scale, causal
-                )
+                self.pool_ref(p).attend(namespace, keys, pos, layer, q, seqlen, scale, causal)
                 for p, pos in assigned.items()
             )
         )
@@ -353,31 +358,23 @@ class TesseraClient:
     async def aread(
         self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
     ) -> list[np.ndarray | None]:
-        rows: list[np.ndarray | None] = await self.pool(pool).read.remote(
-            namespace, list(token_keys)
-        )
-        return rows
+        return await self.pool_ref(pool).read(namespace, list(token_keys))
 
     async def aread_blocks(
         self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
     ) -> BlockReads:
         """:meth:`aread` with the hash each block was sealed under, to verify the bytes by."""
-        blocks: BlockReads = await self.pool(pool).read_blocks.remote(namespace, list(token_keys))
-        return blocks
+        return await self.pool_ref(pool).read_blocks(namespace, list(token_keys))
 
     async def acheck_blocks(
         self, namespace: Access, token_keys: Sequence[TokenKey], *, pool: str
     ) -> list[BlockCheck]:
         """Have ``pool`` re-hash blocks whose bytes a consumer could not verify; it drops the
         ones that rotted in its memory (see :class:`BlockCheck`)."""
-        checks: list[BlockCheck] = await self.pool(pool).check_blocks.remote(
-            namespace, list(token_keys)
-        )
-        return checks
+        return await self.pool_ref(pool).check_blocks(namespace, list(token_keys))
 
     async def aevict(self, pool: str, num_blocks: int) -> EvictionReport:
-        report: EvictionReport = await self.pool(pool).evict.remote(num_blocks)
-        return report
+        return await self.pool_ref(pool).evict(num_blocks)
 
     store = blocking(astore)
     purge_pool = blocking(apurge_pool)
@@ -395,34 +392,43 @@ class TesseraClient:
 
     # ------------------------------------------------------------------ status
 
-    def status(self) -> tuple[list[PoolStatus | str], list[DirectoryStats | str]]:
+    async def astatus(self) -> tuple[list[PoolStatus | str], list[DirectoryStats | str]]:
         """Every pool's and shard's snapshot; an unreachable one is reported by a reason."""
-        pools: list[PoolStatus | str] = []
-        for name in self.pools:
-            try:
-                pools.append(ray.get(self.pool(name).status.remote(), timeout=_CALL_TIMEOUT_S))
-            except (*_DEAD, ValueError, ray.exceptions.GetTimeoutError) as exc:
-                pools.append(f"{name}: down ({type(exc).__name__})")
-        shards: list[DirectoryStats | str] = []
-        for s in range(self.config.num_shards):
-            try:
-                shards.append(ray.get(self.shard(s).stats.remote(), timeout=_CALL_TIMEOUT_S))
-            except (*_DEAD, ValueError, ray.exceptions.GetTimeoutError) as exc:
-                shards.append(f"shard {s}: down ({type(exc).__name__})")
-        return pools, shards
 
-    def flush_metrics(self) -> None:
+        async def pool(name: str) -> PoolStatus | str:
+            try:
+                return await self.pool_ref(name).status()
+            except PoolUnavailableError as exc:
+                return f"{name}: down ({type(exc.__cause__).__name__})"
+
+        async def shard(s: int) -> DirectoryStats | str:
+            try:
+                return await self.shard_ref(s).stats()
+            except DirectoryUnavailableError as exc:
+                return f"shard {s}: down ({type(exc.__cause__).__name__})"
+
+        pools = await asyncio.gather(*(pool(p) for p in self.pools))
+        shards = await asyncio.gather(*(shard(s) for s in range(self.config.num_shards)))
+        return list(pools), list(shards)
+
+    async def aflush_metrics(self) -> None:
         """Have every pool and shard export its snapshot now (Ray still ships the values to
         the nodes' metrics endpoints on its own schedule)."""
-        refs = [self.pool(p).flush_metrics.remote() for p in self.pools]
-        refs += [self.shard(s).flush_metrics.remote() for s in range(self.config.num_shards)]
-        ray.get(refs, timeout=_CALL_TIMEOUT_S)
+        await asyncio.gather(
+            *(self.pool_ref(p).flush_metrics() for p in self.pools),
+            *(self.shard_ref(s).flush_metrics() for s in range(self.config.num_shards)),
+        )
 
-    def wait_rebuilt(self, timeout_s: float = 30.0) -> bool:
-        """Block until every shard has rebuilt its index (after a start or a restart) and
+    async def await_rebuilt(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every shard has rebuilt its index (after a start or a restart) and
         re-learned every pool it purged that answers again; False on ``timeout_s``."""
-        refs = [self.shard(s).wait_rebuilt.remote(timeout_s) for s in range(self.config.num_shards)]
+        refs = [self.shard_ref(s) for s in range(self.config.num_shards)]
         try:
-            return all(ray.get(refs, timeout=timeout_s + _CALL_TIMEOUT_S))
-        except (*_DEAD, ray.exceptions.GetTimeoutError):
+            done = await asyncio.gather(*(ref.wait_rebuilt(timeout_s) for ref in refs))
+        except DirectoryUnavailableError:
             return False
+        return all(done)
+
+    status = blocking(astatus)
+    flush_metrics = blocking(aflush_metrics)
+    wait_rebuilt = blocking(await_rebuilt)

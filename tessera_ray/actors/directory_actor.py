@@ -9,14 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import ray
 
-from tessera_ray.actors._ray_names import CALL_TIMEOUT_S as _CALL_TIMEOUT_S
-from tessera_ray.actors._ray_names import DEAD as _DEAD
-from tessera_ray.actors._ray_names import POOL_PREFIX
-from tessera_ray.actors._ray_names import shard_name as _shard_name
+from tessera_ray.actors._ray_handles import POOL_PREFIX, ActorCache, PoolRef, ShardRef
 from tessera_ray.actors.directory import (
     DirectoryShard,
     DirectoryStats,
@@ -29,6 +25,7 @@ from tessera_ray.actors.exporter import export_directory_stats
 from tessera_ray.actors.links import group_by_shard, sharded_lookup
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.errors import DirectoryUnavailableError, PoolUnavailableError
 from tessera_ray.metrics import get_metrics
 from tessera_ray.transport import PeerInfo
 
@@ -55,6 +52,7 @@ class DirectoryActor:
         self.metrics_interval_s = metrics_interval_s
         self.ray_namespace = ray_namespace
         self.health_interval_s = health_interval_s
+        self._actors = ActorCache(ray_namespace)
         self._rebuilt = asyncio.Event()
         self._peers: dict[str, PeerInfo] = {}
         self._purged: set[str] = set()
@@ -97,12 +95,9 @@ class DirectoryActor:
 
     async def _adopt(self, name: str) -> None:
         """Learn what pool ``name`` holds from its inventory (and its transport data)."""
-        pool = ray.get_actor(name, namespace=self.ray_namespace)
-        inventory: list[Registration] = await asyncio.wait_for(
-            pool.inventory.remote(), _CALL_TIMEOUT_S
-        )
-        self.shard.rebuild_from(inventory)
-        peer = await asyncio.wait_for(pool.peer_info.remote(), _CALL_TIMEOUT_S)
+        pool = PoolRef(self._actors, name)
+        self.shard.rebuild_from(await pool.inventory())
+        peer = await pool.peer_info()
         if peer is not None:
             self._peers[name] = peer
 
@@ -111,7 +106,7 @@ class DirectoryActor:
             for name in self._pool_names():
                 try:
                     await self._adopt(name)
-                except (*_DEAD, ValueError, TimeoutError) as exc:
+                except PoolUnavailableError as exc:
                     log.warning("rebuild: pool %s unavailable: %s", name, exc)
         except Exception:
             log.exception("rebuild of directory shard %d failed", self.shard.shard)
@@ -128,9 +123,8 @@ class DirectoryActor:
                 healthy = name in alive
                 if healthy:
                     try:
-                        pool = ray.get_actor(name, namespace=self.ray_namespace)
-                        await asyncio.wait_for(pool.health.remote(), self.health_interval_s)
-                    except (*_DEAD, ValueError, TimeoutError):
+                        await PoolRef(self._actors, name).health(self.health_interval_s)
+                    except PoolUnavailableError:
                         healthy = False
                 if not healthy:
                     self._peers.pop(name, None)
@@ -154,7 +148,7 @@ class DirectoryActor:
                 continue
             try:
                 await self._adopt(name)
-            except (*_DEAD, ValueError, TimeoutError):
+            except PoolUnavailableError:
                 continue  # still down: try again next round
             self._purged.discard(name)
             log.info("pool %s answers again: its inventory was re-registered", name)
@@ -226,17 +220,15 @@ class ShardedDirectory:
         # naming a copy the pool no longer has (or forgetting one it has). Each change waits
         # for the previous one to be applied.
         self._writes = asyncio.Lock()
+        actors = ActorCache(ray_namespace)
+        self._shards = [ShardRef(actors, i) for i in range(num_shards)]
 
-    def _shard(self, i: int) -> Any:
-        return ray.get_actor(_shard_name(i), namespace=self.ray_namespace)
-
-    async def _call(self, i: int, method: str, *args: Any) -> Any:
+    async def _call(self, i: int, method: str, *args: object) -> object:
+        """The shard's answer, or ``None`` (logged) when it is down."""
         try:
-            return await asyncio.wait_for(
-                getattr(self._shard(i), method).remote(*args), _CALL_TIMEOUT_S
-            )
-        except (*_DEAD, ValueError, TimeoutError) as exc:  # ValueError: name not found yet
-            log.warning("directory shard %d unavailable for %s: %s", i, method, exc)
+            return await getattr(self._shards[i], method)(*args)
+        except DirectoryUnavailableError as exc:
+            log.warning("directory shard %d unavailable: %s", i, exc)
             return None
 
     async def register(self, entries: Sequence[Registration]) -> None:
@@ -274,14 +266,18 @@ class ShardedDirectory:
     async def peer(self, name: str) -> PeerInfo | None:
         for s in range(self.num_shards):
             found = await self._call(s, "peer", name)
-            if found is not None:
-                return found  # type: ignore[no-any-return]
+            if isinstance(found, PeerInfo):
+                return found
         return None
 
     async def lookup(
         self, namespace: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
-        async def ask(s: int, keys: list[TokenKey]) -> Any:
-            return await self._call(s, "lookup", namespace, keys)
+        async def ask(s: int, keys: list[TokenKey]) -> list[LookupResult | None] | None:
+            try:
+                return await self._shards[s].lookup(namespace, keys)
+            except DirectoryUnavailableError as exc:
+                log.warning("directory shard %d unavailable: %s", s, exc)
+                return None
 
         return await sharded_lookup(token_keys, self.num_shards, ask)

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import enum
 import json
+from collections.abc import Awaitable
 from typing import Any
 
 from ray import serve
@@ -30,7 +31,12 @@ from starlette.responses import JSONResponse
 from tessera_ray.actors.client import TesseraClient
 from tessera_ray.core.hashing import TOKEN_KEY_BYTES
 from tessera_ray.core.results import TokenKey
-from tessera_ray.errors import BadRequestError, TierConfigError
+from tessera_ray.errors import (
+    BadRequestError,
+    DirectoryUnavailableError,
+    PoolUnavailableError,
+    TierConfigError,
+)
 
 __all__ = ["TierGateway", "build_app", "parse_lookup", "MAX_KEYS"]
 
@@ -120,21 +126,25 @@ class TierGateway:
         hits = sum(e["hit"] for e in out)
         return JSONResponse({"namespace": namespace, "hits": hits, "results": out})
 
-    async def _gather(self, refs: list[Any], names: list[str]) -> list[Any]:
-        async def one(ref: Any, name: str) -> Any:
+    async def _gather(self, calls: list[Awaitable[object]], names: list[str]) -> list[Any]:
+        async def one(call: Awaitable[object], name: str) -> Any:
             try:
-                return _plain(await asyncio.wait_for(ref, _STATUS_TIMEOUT_S))
-            except Exception as exc:  # a dead actor is reported, not fatal to the answer
-                return {"name": name, "down": type(exc).__name__}
+                return _plain(await call)
+            except (PoolUnavailableError, DirectoryUnavailableError) as exc:
+                # A dead actor is reported, not fatal to the answer.
+                cause = exc.__cause__ or exc
+                return {"name": name, "down": type(cause).__name__}
 
-        return list(await asyncio.gather(*(one(r, n) for r, n in zip(refs, names, strict=True))))
+        return list(await asyncio.gather(*(one(c, n) for c, n in zip(calls, names, strict=True))))
 
     async def stats(self, request: Request) -> JSONResponse:
         c = self.client
         shards = [f"shard-{s}" for s in range(c.config.num_shards)]
-        pools = await self._gather([c.pool(p).status.remote() for p in c.pools], c.pools)
+        pools = await self._gather(
+            [c.pool_ref(p).status(_STATUS_TIMEOUT_S) for p in c.pools], c.pools
+        )
         dirs = await self._gather(
-            [c.shard(s).stats.remote() for s in range(c.config.num_shards)], shards
+            [c.shard_ref(s).stats(_STATUS_TIMEOUT_S) for s in range(c.config.num_shards)], shards
         )
         return JSONResponse(
             {

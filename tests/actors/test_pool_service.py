@@ -248,6 +248,22 @@ def test_a_touched_hit_is_evicted_after_older_blocks() -> None:
     assert pool.contains(NS, ks) == [Tier.MEMORY, None, Tier.MEMORY]
 
 
+def test_a_read_makes_a_block_the_youngest_and_a_held_block_is_no_candidate() -> None:
+    """One eviction order, the page LRU: pinning takes a block off it, unpinning puts it back
+    at the young end; eviction only ever weighs unreferenced blocks."""
+    pool = make(num_blocks=4)
+    ks = keys(3)
+    run(pool.store(NS, ks, payloads(3, 5, pool.block_bytes)))
+    assert pool.groups.oldest(8) == [(NS, k) for k in ks]
+    ticket = run(pool.pin(NS, ks[:1]))
+    assert pool.groups.oldest(8) == [(NS, k) for k in ks[1:]]
+    pool.unpin(ticket.id)
+    assert pool.groups.oldest(8) == [(NS, k) for k in (*ks[1:], ks[0])]
+    report = run(pool.evict(2))
+    assert [r.token_key for r in report.lost] == ks[1:]
+    assert pool.contains(NS, ks) == [Tier.MEMORY, None, None]
+
+
 def _rot(pool: PoolService, key: bytes, group: int = 0, page: int = 1) -> None:
     """Flip a byte of one page of ``key``'s block in the pool's memory, as bad RAM would."""
     handles = pool.pools[group].lookup(NS, key)

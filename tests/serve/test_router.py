@@ -241,7 +241,7 @@ def test_a_strict_lookup_tells_a_dead_shard_from_a_miss(monkeypatch: pytest.Monk
         LAYOUT,
         ["p"],
     )
-    monkeypatch.setattr(client, "shard", lambda i: dead_shard)
+    monkeypatch.setattr(client._actors, "get", lambda name: dead_shard)
     keys = _keys(list(range(128)))
     assert asyncio.run(client.alookup("vllm", keys)) == [None, None]
     with pytest.raises(DirectoryUnavailableError, match="shard 0"):

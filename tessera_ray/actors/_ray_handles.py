@@ -1,0 +1,253 @@
+"""The Ray boundary of the actors package: actor names, handles looked up once, and typed
+calls that apply a deadline and turn every way of not reaching an actor (dead, restarting,
+not yet named, too slow) into one error: :class:`PoolUnavailableError` for a pool,
+:class:`DirectoryUnavailableError` for a directory shard. Callers branch on those types."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
+
+import numpy as np
+import ray
+import torch
+
+from tessera_ray.actors.channel import ChannelAddress
+from tessera_ray.actors.config import PoolServiceConfig
+from tessera_ray.actors.directory import (
+    DirectoryStats,
+    LookupResult,
+    Registration,
+    Registrations,
+    Tier,
+)
+from tessera_ray.actors.messages import (
+    BlockCheck,
+    BlockFailure,
+    BlockReads,
+    EvictionReport,
+    PinTicket,
+    PoolStatus,
+    Reservation,
+    StoredBlock,
+)
+from tessera_ray.actors.tenancy import Access
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.errors import DirectoryUnavailableError, PoolUnavailableError
+from tessera_ray.layout import ModelLayout
+from tessera_ray.transport import PeerInfo
+
+__all__ = [
+    "POOL_PREFIX",
+    "DIR_PREFIX",
+    "DEAD",
+    "UNREACHABLE",
+    "CALL_TIMEOUT_S",
+    "shard_name",
+    "ActorCache",
+    "PoolRef",
+    "ShardRef",
+]
+
+POOL_PREFIX = "tessera-pool-"
+DIR_PREFIX = "tessera-dir-"
+DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+"""What a call to an actor whose process is gone raises."""
+UNREACHABLE = (*DEAD, ValueError, TimeoutError, ray.exceptions.GetTimeoutError)
+"""Everything that means "that actor did not answer" (``ValueError``: no actor of that name)."""
+CALL_TIMEOUT_S = 10.0
+"""The deadline of a control call (status, purge, abort); data calls name their own."""
+
+T = TypeVar("T")
+
+
+def shard_name(i: int) -> str:
+    return f"{DIR_PREFIX}{i}"
+
+
+class ActorCache:
+    """Handles of the named actors of one Ray namespace, each looked up once: a lookup is a
+    blocking call to Ray's control store. A handle survives its actor's restarts; one whose
+    call failed is looked up again next time (the name may now be a new actor)."""
+
+    def __init__(self, ray_namespace: str) -> None:
+        self.ray_namespace = ray_namespace
+        self._handles: dict[str, Any] = {}
+
+    def get(self, name: str) -> Any:
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = self._handles[name] = ray.get_actor(name, namespace=self.ray_namespace)
+        return handle
+
+    def forget(self, name: str) -> None:
+        self._handles.pop(name, None)
+
+    async def call(
+        self,
+        name: str,
+        what: str,
+        method: str,
+        args: tuple[object, ...],
+        timeout_s: float | None,
+        unavailable: type[PoolUnavailableError] | type[DirectoryUnavailableError],
+    ) -> Any:
+        try:
+            ref = getattr(self.get(name), method).remote(*args)
+            return await asyncio.wait_for(ref, timeout_s)
+        except UNREACHABLE as exc:
+            self.forget(name)
+            raise unavailable(f"{what} did not answer {method}: {type(exc).__name__}") from exc
+
+
+class PoolRef:
+    """A pool actor, as its callers see it: typed methods, one error when it is unreachable."""
+
+    def __init__(self, actors: ActorCache, name: str) -> None:
+        self.actors = actors
+        self.name = name
+
+    async def _call(self, method: str, *args: object, timeout_s: float | None = None) -> Any:
+        what = f"pool {self.name}"
+        return await self.actors.call(
+            self.name, what, method, args, timeout_s, PoolUnavailableError
+        )
+
+    async def reserve(self, num_blocks: int) -> Reservation:
+        return cast(Reservation, await self._call("reserve", num_blocks))
+
+    async def commit(
+        self, reservation_id: int, access: Access, keys: list[TokenKey], payloads: np.ndarray
+    ) -> list[StoredBlock]:
+        return cast(
+            list[StoredBlock], await self._call("commit", reservation_id, access, keys, payloads)
+        )
+
+    async def abort(self, reservation_id: int) -> None:
+        await self._call("abort", reservation_id, timeout_s=CALL_TIMEOUT_S)
+
+    async def contains(
+        self, access: Access, keys: list[TokenKey], touch: bool = False
+    ) -> list[Tier | None]:
+        return cast(list[Tier | None], await self._call("contains", access, keys, touch))
+
+    async def fetch_from(
+        self, owner: str, access: Access, keys: list[TokenKey]
+    ) -> list[BlockFailure | None]:
+        return cast(list[BlockFailure | None], await self._call("fetch_from", owner, access, keys))
+
+    async def attend(
+        self,
+        access: Access,
+        keys: list[TokenKey],
+        positions: list[int],
+        layer: int,
+        q: torch.Tensor,
+        seqlen: int,
+        softmax_scale: float,
+        causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        args = (access, keys, positions, layer, q, seqlen, softmax_scale, causal)
+        return cast(tuple[torch.Tensor, torch.Tensor, list[int]], await self._call("attend", *args))
+
+    async def read(self, access: Access, keys: list[TokenKey]) -> list[np.ndarray | None]:
+        return cast(list[np.ndarray | None], await self._call("read", access, keys))
+
+    async def read_blocks(self, access: Access, keys: list[TokenKey]) -> BlockReads:
+        return cast(BlockReads, await self._call("read_blocks", access, keys))
+
+    async def check_blocks(self, access: Access, keys: list[TokenKey]) -> list[BlockCheck]:
+        return cast(list[BlockCheck], await self._call("check_blocks", access, keys))
+
+    async def evict(self, num_blocks: int) -> EvictionReport:
+        return cast(EvictionReport, await self._call("evict", num_blocks))
+
+    async def unpin(self, pin_id: int) -> bool:
+        return cast(bool, await self._call("unpin", pin_id, timeout_s=CALL_TIMEOUT_S))
+
+    def unpin_soon(self, pin_id: int) -> None:
+        """Send an unpin without waiting for it (its answer changes nothing for the caller)."""
+        try:
+            self.actors.get(self.name).unpin.remote(pin_id)
+        except UNREACHABLE:
+            self.actors.forget(self.name)
+
+    async def read_pinned(self, pin_id: int, timeout_s: float) -> np.ndarray:
+        return cast(np.ndarray, await self._call("read_pinned", pin_id, timeout_s=timeout_s))
+
+    async def channel(self) -> ChannelAddress | None:
+        return cast(ChannelAddress | None, await self._call("channel", timeout_s=CALL_TIMEOUT_S))
+
+    async def pin(self, access: Access, keys: list[TokenKey], timeout_s: float | None) -> PinTicket:
+        return cast(PinTicket, await self._call("pin", access, keys, timeout_s=timeout_s))
+
+    async def inventory(self) -> list[Registration]:
+        return cast(list[Registration], await self._call("inventory", timeout_s=CALL_TIMEOUT_S))
+
+    async def peer_info(self, timeout_s: float = CALL_TIMEOUT_S) -> PeerInfo | None:
+        return cast(PeerInfo | None, await self._call("peer_info", timeout_s=timeout_s))
+
+    async def health(self, timeout_s: float) -> bool:
+        return cast(bool, await self._call("health", timeout_s=timeout_s))
+
+    async def status(self, timeout_s: float = CALL_TIMEOUT_S) -> PoolStatus:
+        return cast(PoolStatus, await self._call("status", timeout_s=timeout_s))
+
+    async def describe(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
+        return cast(
+            tuple[ModelLayout, PoolServiceConfig, int],
+            await self._call("describe", timeout_s=CALL_TIMEOUT_S),
+        )
+
+    async def flush_metrics(self) -> None:
+        await self._call("flush_metrics", timeout_s=CALL_TIMEOUT_S)
+
+
+class ShardRef:
+    """A directory shard actor: typed methods, one error when it is unreachable."""
+
+    def __init__(self, actors: ActorCache, index: int) -> None:
+        self.actors = actors
+        self.index = index
+        self.name = shard_name(index)
+
+    async def _call(self, method: str, *args: object, timeout_s: float | None) -> Any:
+        what = f"directory shard {self.index}"
+        unavailable = DirectoryUnavailableError
+        return await self.actors.call(self.name, what, method, args, timeout_s, unavailable)
+
+    async def lookup(
+        self, access: Access, keys: list[TokenKey], timeout_s: float = CALL_TIMEOUT_S
+    ) -> list[LookupResult | None]:
+        return cast(
+            list[LookupResult | None], await self._call("lookup", access, keys, timeout_s=timeout_s)
+        )
+
+    async def register(self, entries: Registrations) -> None:
+        await self._call("register", entries, timeout_s=CALL_TIMEOUT_S)
+
+    async def drop_replicas(
+        self, pool: str, blocks: Sequence[tuple[str, BlockHash]], tier: Tier | None
+    ) -> None:
+        await self._call("drop_replicas", pool, list(blocks), tier, timeout_s=CALL_TIMEOUT_S)
+
+    async def purge_pool(self, pool: str) -> None:
+        await self._call("purge_pool", pool, timeout_s=CALL_TIMEOUT_S)
+
+    async def publish_peer(self, info: PeerInfo) -> None:
+        await self._call("publish_peer", info, timeout_s=CALL_TIMEOUT_S)
+
+    async def peer(self, name: str) -> PeerInfo | None:
+        return cast(PeerInfo | None, await self._call("peer", name, timeout_s=CALL_TIMEOUT_S))
+
+    async def stats(self, timeout_s: float = CALL_TIMEOUT_S) -> DirectoryStats:
+        return cast(DirectoryStats, await self._call("stats", timeout_s=timeout_s))
+
+    async def wait_rebuilt(self, timeout_s: float) -> bool:
+        return cast(
+            bool, await self._call("wait_rebuilt", timeout_s, timeout_s=timeout_s + CALL_TIMEOUT_S)
+        )
+
+    async def flush_metrics(self) -> None:
+        await self._call("flush_metrics", timeout_s=CALL_TIMEOUT_S)
