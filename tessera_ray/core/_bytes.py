@@ -1,8 +1,8 @@
 """Zero-copy byte comparison of two host pages.
 
-``memoryview ==`` compares item by item (about 0.3 GB/s) and ``bytes(a) == bytes(b)`` copies both
-pages; libc ``memcmp`` on the two addresses runs near memory bandwidth (measured ~26 GB/s here
-against ~10 for the alternatives), which keeps a dedup hit (hash + compare) cheap.
+``memoryview ==`` compares item by item and ``bytes(a) == bytes(b)`` copies both pages; libc
+``memcmp`` on the two addresses runs near memory bandwidth, which keeps a dedup hit (hash +
+compare) cheap (docs/measured-choices.md).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def equal_bytes(data: torch.Tensor, a: int, b: int) -> bool:
 def zero_row(data: torch.Tensor, index: int) -> None:
     """Zero row ``index`` of the contiguous ``uint8`` matrix ``data``.
 
-    On host memory ``ctypes.memset``: torch's ``zero_`` on one 73 KB row measured ~200 us
-    here (dispatch and thread-pool overhead), memset a few microseconds.
+    On host memory ``ctypes.memset``: torch's ``zero_`` on one row pays its dispatch and
+    thread-pool overhead, which dwarfs writing the row's bytes.
     """
     if data.device.type == "cpu":
         row = data.shape[1]

@@ -45,8 +45,8 @@ class PageHandle(NamedTuple):
     checks every field.
 
     A ``NamedTuple`` rather than a frozen dataclass, like :class:`SealResult`: equally
-    immutable and small, but built about 4x faster (a frozen dataclass pays one
-    ``object.__setattr__`` per field), which is a measurable share of sealing a page.
+    immutable and small, but cheaper to build (a frozen dataclass pays one
+    ``object.__setattr__`` per field), and one is built per page sealed.
     """
 
     region: int

@@ -17,7 +17,7 @@ A segment file is a run of records; a record is a header block and the payload::
 The payload digest is the xxh3-128 of the payload keyed with the root's content seed (the
 tier's default content hash of the page). Why a digest and not the payload itself: the tier
 must hash every payload anyway to prove it is the page its key names, and a second full pass
-for the checksum cost as much again (~13 ms per 150 MB here, 10-15% of a verified cold read).
+for the checksum would cost as much again (docs/measured-choices.md).
 With the digest, one pass over the payload yields both checks, and still every payload bit
 reaches the record checksum (through a 128-bit digest). For a root with the default hasher the
 digest *is* the key, so reads and writes hash each payload exactly once; a root with a custom
@@ -38,10 +38,10 @@ A removed record (deleted, or quarantined) is overwritten in place by a 24-byte 
 when the original header was the corrupt part.
 
 Why xxh3 for the checksums: it already ships with the content hash (xxhash), runs at memory
-speed (~11 GB/s on this VM, so verifying costs little next to a cold read), and detects random
-bit flips as well as a CRC for this purpose; a CRC32C would need a new dependency or a
-pure-Python path that is ~100x slower. Integrity against an attacker is not its job: the
-content hash and the byte comparison in the pool handle sharing decisions.
+speed (so verifying costs little next to a cold read), and detects random bit flips as well
+as a CRC for this purpose; a CRC32C would need a new dependency or a pure-Python path.
+Integrity against an attacker is not its job: the content hash and the byte comparison in the
+pool handle sharing decisions.
 
 Format history: version 1 checksummed the payload bytes directly (a second pass); version 2
 had compact records only. Roots of older versions are refused when opened ("use a fresh

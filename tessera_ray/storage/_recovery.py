@@ -21,7 +21,11 @@ from tessera_ray.storage._progress import Progress
 from tessera_ray.storage._repair import quarantine_record, try_repair, unlink_segments
 from tessera_ray.storage.config import DiskTierConfig
 
-__all__ = ["Recovered", "choose_direct", "prepare_root", "rebuild"]
+__all__ = ["Recovered", "choose_direct", "prepare_root", "rebuild", "PROGRESS_MIN_FILES"]
+
+PROGRESS_MIN_FILES = 10_000
+"""Segment count from which opening a root shows a progress line (on a TTY stderr): below it
+an open is quick enough that a line would only flicker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +100,7 @@ def rebuild(cfg: DiskTierConfig, fp16: bytes, cat: Catalog) -> Recovered:
         else:
             orphans += 1  # not ours: fsck reports it, the tier ignores it
     segs.sort()
-    show = Progress.wanted(len(segs), min_items=cfg.progress_min_files, force=cfg.progress)
+    show = Progress.wanted(len(segs), min_items=PROGRESS_MIN_FILES, force=cfg.progress)
     bar = Progress(f"indexing {cfg.root}", len(segs), enabled=show)
     for _mtime, name, size in segs:
         corrupt += _load_segment(cfg.root, fp16, cat, name, size)

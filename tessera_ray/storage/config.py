@@ -31,12 +31,10 @@ class DiskTierConfig:
     """A batch larger than this is written as several segment files (bounds one write)."""
     io_threads: int = 4
     """Threads doing file IO, hashing and checksums off the event loop; each keeps one read in
-    flight. More are not faster on 2 cores: reading 2,048 MLA pages back through staging
-    buffers (``bench_disk``, direct IO), 4 threads gave 0.61-0.94 of a raw cold read over 11
-    runs, 8 threads 0.64-0.93 over 3, each thread's verification competing for the cores the
-    others need to keep their reads in flight. Reading into aligned pool memory instead (no
-    staging, format 3), 4 threads gave 0.86-1.07 over 5 runs. Each staged direct transfer
-    holds an 8 MiB staging buffer while it runs."""
+    flight. More threads were not faster on a 2-core machine (each thread's verification
+    competes for the cores the others need to keep their reads in flight;
+    docs/measured-choices.md). Each staged direct transfer holds one staging buffer while it
+    runs."""
     direct_io: bool | None = None
     """Read and write segments around the page cache (``O_DIRECT``). None (the default): direct
     where the root's filesystem supports it, else buffered; True: required (opening a root on a
@@ -44,19 +42,17 @@ class DiskTierConfig:
 
     Why direct by default: the tier sits under a memory pool that caches the hot pages, so a
     second copy in the page cache competes with the pool for RAM, and through the page cache
-    the segment protocol's writes fell short of a raw append too often; buffered I/O wins only
-    where pages are restored right after they spill (docs/measured-choices.md)."""
-    progress_min_files: int = 10_000
-    """Segment count from which opening a root shows a progress line on a TTY stderr."""
+    buffered segment writes fell short of a raw append; buffered I/O wins only where pages are
+    restored right after they spill (docs/measured-choices.md)."""
     progress: bool | None = None
-    """Force the progress line on (True) or off (False); None: decide as above."""
+    """Force the progress line shown while a root is opened on (True) or off (False); None:
+    shown on a TTY stderr when the root holds many segment files."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
         _positive("capacity_bytes", self.capacity_bytes)
         _positive("segment_max_bytes", self.segment_max_bytes)
         _positive("io_threads", self.io_threads)
-        _positive("progress_min_files", self.progress_min_files)
         if self.direct_io is not None and not isinstance(self.direct_io, bool):
             raise StorageConfigError(
                 f"direct_io must be None, True or False, got {self.direct_io!r}"

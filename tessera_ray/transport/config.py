@@ -36,7 +36,7 @@ class TransportConfig:
     (each is still one request over many slots). 0 reads everything in one request. ``None``
     picks by the CPUs this process may use (:attr:`chunk_bytes`): 4 MiB with 4 or more, else
     0. With 2, the READ's copy and the hashing share both cores and the memory bus, so the
-    overlap never came (one request won in 11 of 13 paired runs here, by about 5%)."""
+    overlap never came (docs/measured-choices.md)."""
     hash_chunk_bytes: int = 512 << 10
     """A NIXL read that hashes what it lands (every verified fetch from a host pool) is posted
     as requests of about this many bytes, each page hashed right after its request completes,
@@ -48,9 +48,6 @@ class TransportConfig:
     that starves everything else); the pause adds at most itself to a transfer's completion,
     well under an actor round trip (docs/measured-choices.md). 0 restores the spinning
     thread."""
-    poll_max_sleep_s: float = 0.0005
-    """Longest pause between two completion checks of a NIXL transfer. NIXL's Python API has no
-    blocking wait, so :meth:`Transport.wait` spins briefly and then backs off up to this."""
 
     def __post_init__(self) -> None:
         if self.kind not in TRANSPORT_KINDS:
@@ -58,7 +55,6 @@ class TransportConfig:
                 f"kind must be one of {', '.join(TRANSPORT_KINDS)}, got {self.kind!r}"
             )
         _positive("timeout_s", self.timeout_s)
-        _positive("poll_max_sleep_s", self.poll_max_sleep_s)
         if not self.nixl_backends or not all(isinstance(b, str) and b for b in self.nixl_backends):
             raise TransportConfigError(
                 f"nixl_backends must be non-empty backend names, got {self.nixl_backends!r}"

@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 _INIT_AGENT = "NIXL_INIT_AGENT"
 _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING, "ERR": TransferState.FAILED}
 _SPINS = 64
+_POLL_MAX_SLEEP_S = 0.0005
+"""Longest pause between two completion checks: NIXL's Python API has no blocking wait, so a
+wait spins briefly and then backs off, at most this long (a fraction of any transfer's cost)."""
 """Completion checks before the first pause: a cma read of a few MB is done within them."""
 _CANCEL_GRACE_S = 2.0
 """How long an abort waits for the I/O thread to release a request (it may be inside a
@@ -289,7 +292,7 @@ class NixlTransport(Transport):
                 # No blocking wait exists in NIXL's Python API; back off so a slow transfer
                 # leaves the CPU to the progress thread.
                 time.sleep(pause)
-                pause = min(pause * 2, self.config.poll_max_sleep_s)
+                pause = min(pause * 2, _POLL_MAX_SLEEP_S)
 
     def _job(self, ticket: TransferTicket) -> _Job:
         job = self._jobs.get(ticket.id)

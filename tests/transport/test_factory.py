@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
         {"timeout_s": True},
         {"nixl_backends": ()},
         {"nixl_num_threads": -1},
-        {"poll_max_sleep_s": -1.0},
         {"fetch_chunk_bytes": -1},
         {"fetch_chunk_bytes": True},
         {"fetch_chunk_bytes": 1.5},
