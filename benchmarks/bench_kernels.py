@@ -36,11 +36,15 @@ def _flops_per_token(context: int) -> float:
     return 2.0 * HEADS * context * (HEAD_DIM + HEAD_DIM_V)
 
 
-def _inputs(batch: int, device: str) -> tuple[torch.Tensor, ...]:
+def _inputs(batch: int, device: str, contiguous: bool = False) -> tuple[torch.Tensor, ...]:
+    """Decode inputs over pool pages: a sequence's pages scattered over the pool as a pool
+    hands them out (``contiguous``: each sequence's pages side by side, in order)."""
     gen = torch.Generator(device=device).manual_seed(batch)
     blocks = CONTEXT // PAGE
     k_cache = torch.randn(batch * blocks, PAGE, 1, HEAD_DIM, generator=gen, device=device)
     perm = torch.randperm(batch * blocks, generator=gen, device=device).to(torch.int32)
+    if contiguous:
+        perm = torch.arange(batch * blocks, device=device, dtype=torch.int32)
     table = perm.view(batch, blocks)
     q = torch.randn(batch, 1, HEADS, HEAD_DIM, generator=gen, device=device)
     lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device=device)
@@ -59,8 +63,10 @@ def _matmul_gflops(device: str, repeat: int) -> float:
     return 2 * 1024**3 / time_median(run, repeat=repeat) / 1e9
 
 
-def _decode_rate(batch: int, device: str, backend: str, repeat: int) -> float:
-    q, k_cache, table, lens = _inputs(batch, device)
+def _decode_rate(
+    batch: int, device: str, backend: str, repeat: int, contiguous: bool = False
+) -> float:
+    q, k_cache, table, lens = _inputs(batch, device, contiguous)
     if backend == "reference":
         q = q.float()  # the reference computes in float32 anyway; this is its natural input
 
@@ -106,6 +112,21 @@ def main() -> None:
                         unit="tokens/s",
                         baseline="reference_gpu",
                         baseline_value=ref,
+                        note=f"{torch.cuda.get_device_name(0)}, {CONTEXT} context",
+                    )
+                )
+        for backend in ("flashmla", "flashinfer"):
+            if usable[backend]:
+                # The pool's pages are where the pool put them; the kernel should not care.
+                batch = gpu_batches[-1]
+                rows.append(
+                    Row(
+                        name=f"{backend}_pool_vs_contiguous_b{batch}",
+                        value=_decode_rate(batch, "cuda", backend, repeat * 3),
+                        unit="tokens/s",
+                        baseline="same_pages_contiguous",
+                        baseline_value=_decode_rate(batch, "cuda", backend, repeat * 3, True),
+                        target_ratio=0.95,
                         note=f"{torch.cuda.get_device_name(0)}, {CONTEXT} context",
                     )
                 )

@@ -284,12 +284,9 @@ class LayerGroups:
             if any(h is None for h in per_group):
                 return None
             # Read before evicting: pages the block shares with other blocks stay in the pool,
-            # so the payload cannot be rebuilt from what leaves.
-            payload = b"".join(
-                pool.read_bytes(h)
-                for pool, hs in zip(self.pools, per_group, strict=True)
-                for h in hs or ()
-            )
+            # so the payload cannot be rebuilt from what leaves. One gather per group (one
+            # device-to-host copy for a pool in GPU memory), not one read per page.
+            payload = self.gather([[list(hs or ()) for hs in per_group]]).tobytes()
         finally:
             for pool, hs in zip(self.pools, per_group, strict=True):
                 if hs is not None:

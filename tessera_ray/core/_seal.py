@@ -25,7 +25,7 @@ def hash_pages(pool: BlockPool, slots: Sequence[int], seed: int) -> list[int]:
     """Content hashes of the bytes now in pages ``slots``; host pages are hashed in place."""
     fn, host, pb = pool._hash, pool._host, pool.page_bytes
     if host is None:
-        return [fn(pool._page_buffer(s), seed) for s in slots]
+        return pool._device_hasher().hash_rows(slots, seed)
     return [fn(host[s * pb : (s + 1) * pb], seed) for s in slots]
 
 
@@ -67,6 +67,11 @@ def seal_many(pool: BlockPool, handles: Sequence[PageHandle], namespace: str) ->
         if r.state == SEALED:
             raise PageSealedError(f"page {r.index} is already sealed")
     ns = pool._dedup.namespace(namespace)
+    if pool._host is None:  # device pages: hashed in batches, not copied out one by one
+        digests = hash_pages(pool, [r.index for r in recs], pool._dedup.seeds[ns])
+        return [
+            seal_page(pool, r, ns, h, d) for r, h, d in zip(recs, handles, digests, strict=True)
+        ]
     return [seal_page(pool, r, ns, h) for r, h in zip(recs, handles, strict=True)]
 
 

@@ -27,6 +27,7 @@ from tessera_ray.core import _evict, _refs, _register, _seal, _write
 from tessera_ray.core._blocks import BlockIndex
 from tessera_ray.core._dedup import DedupIndex
 from tessera_ray.core._records import FREE, SEALED, PageList, PageRecord
+from tessera_ray.core._staging import DeviceHasher
 from tessera_ray.core._storage import page_storage
 from tessera_ray.core._validate import check_handle
 from tessera_ray.core._views import flashmla_view, region_views
@@ -94,6 +95,7 @@ class BlockPool:
         self.content_hash_fn = content_hash
         """The content hash this pool seals with (readers verify fetched pages with it)."""
         self.data, self._host = page_storage(config, self.page_bytes)
+        self._hasher: DeviceHasher | None = None
         self._num_pages = config.num_pages
         self._records = [PageRecord(index=i) for i in range(config.num_pages)]
         self._free = PageList()
@@ -255,6 +257,11 @@ class BlockPool:
             pb = self.page_bytes
             return self._host[index * pb : (index + 1) * pb]
         return self.data[index].cpu().numpy().data
+
+    def _device_hasher(self) -> DeviceHasher:
+        if self._hasher is None:
+            self._hasher = DeviceHasher(self.data, self._hash)
+        return self._hasher
 
     def seal(self, handle: PageHandle, namespace: str) -> SealResult:
         """Make a writable page immutable under ``namespace``, sharing an equal page if any.

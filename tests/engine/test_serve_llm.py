@@ -242,3 +242,28 @@ class _ReplicaKiller:
     def __exit__(self, *exc: object) -> None:
         self._proc.kill()
         self._proc.wait()
+
+
+@pytest.mark.parametrize("example", ["serve_llm_tessera.yaml", "serve_llm_cpu.yaml"])
+def test_ray_builds_each_example_config_and_sets_up_its_connector_backend(example: str) -> None:
+    """Ray Serve LLM's own path for a KV connector: the example's ``LLMConfig`` is built and
+    its connector backend set up as a replica does. Ray's registry does not know
+    TesseraConnector, so it takes its default backend, whose setup changes nothing: vLLM gets
+    the connector settings exactly as written (so the tier needs no backend of its own)."""
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.base import DefaultConnectorBackend
+    from ray.serve.llm import LLMConfig
+
+    app = yaml.safe_load((ROOT / "deploy" / example).read_text())
+    args = app["applications"][0]["args"]
+    if "llm_configs" in args:
+        (fields,) = args["llm_configs"]
+    else:  # the CPU example goes through our builder, which writes the LLMConfig itself
+        from tessera_ray.serve.llm import ServeLLMSettings
+
+        fields = ServeLLMSettings.from_args(args).llm_config_dict()
+    config = LLMConfig(**fields)
+    written = json.loads(json.dumps(config.engine_kwargs["kv_transfer_config"]))
+    assert written["kv_connector"] == "TesseraConnector"
+    config.setup_engine_backend()
+    assert type(config.kv_connector_backend) is DefaultConnectorBackend
+    assert config.engine_kwargs["kv_transfer_config"] == written

@@ -1,0 +1,176 @@
+"""Pools in GPU memory: sealing pages and verified fetches against raw device copies, and NIXL
+reads between two pools' device memory (VRAM to VRAM) on one GPU.
+
+    python benchmarks/gpu_pool.py [--quick] [--out FILE]   # run by benchmarks/gpu_check.py
+
+Rows (GB/s of page bytes, against a raw ``index_select`` + ``index_copy_`` of the same pages
+between two device tensors, measured in the same run):
+
+- ``seal_gpu_pages``: write and seal fresh pages of a device pool (each page hashed on the
+  host: the device-to-host staging of ``core/_staging.py``, then xxh3);
+- ``verified_fetch_gpu_local``: a verified fetch between two device pools of one process (the
+  read is a device copy; every page is hashed and compared before it is sealed);
+- ``verified_fetch_gpu_nixl``: the same over NIXL, VRAM to VRAM between two agents, and
+  ``nixl_read_gpu``: NIXL's raw READ of the same slots with nothing verified.
+
+Every fetched page is also compared with the owner's bytes: a row is written only for a fetch
+that delivered exactly what was exported. Exits 77 (skipped) without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from common import Row, parse_args, time_median, write_result
+
+from tessera_ray.core import BlockPool, PoolConfig
+from tessera_ray.layout import preset_layout
+from tessera_ray.transport import (
+    PageExport,
+    Transport,
+    TransportConfig,
+    export_pages,
+    fetch_verified,
+    make_transport,
+)
+
+SKIPPED = 77
+NAMESPACE = "gpu-check"
+LAYOUT = preset_layout("deepseek-v3")
+
+
+def _pool(pages: int) -> BlockPool:
+    return BlockPool.for_group(LAYOUT, 0, PoolConfig(num_pages=pages, device="cuda"))
+
+
+def _gbps(pages: int, page_bytes: int, seconds: float) -> float:
+    return pages * page_bytes / seconds / 1e9
+
+
+def _synced(fn: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def _device_copy_s(pages: int, repeat: int) -> float:
+    src, dst = _pool(pages).data, _pool(pages).data
+    index = torch.randperm(pages, device="cuda")
+    return time_median(
+        _synced(lambda: dst.index_copy_(0, index, src.index_select(0, index))), repeat=repeat
+    )
+
+
+def _seal_s(pages: int, repeat: int) -> float:
+    data = torch.randint(0, 256, (pages, _pool(1).page_bytes), dtype=torch.uint8, device="cuda")
+    fresh: list[BlockPool] = []
+
+    def seal() -> None:
+        pool = fresh.pop()
+        pool.seal_many(pool.write_many(pool.allocate_many(pages), data), NAMESPACE)
+
+    samples = []
+    for _ in range(repeat + 1):  # the first is a warm-up
+        fresh.append(_pool(pages))
+        samples.append(time_median(_synced(seal), repeat=1, warmup=0))
+    return sorted(samples[1:])[len(samples[1:]) // 2]
+
+
+class _Pair:
+    """An owner device pool holding ``pages`` sealed, pinned, exported pages and an empty
+    reader device pool, on two transports of ``kind``."""
+
+    def __init__(self, kind: str, pages: int) -> None:
+        self.owner, self.reader = _pool(pages), _pool(pages)
+        config = TransportConfig(kind=kind)
+        self.owner_t: Transport = make_transport(config, name=f"owner-{kind}")
+        self.reader_t: Transport = make_transport(config, name=f"reader-{kind}")
+        if self.owner_t.kind != kind or self.reader_t.kind != kind:
+            raise RuntimeError(f"{kind} transport unavailable (fell back to {self.owner_t.kind})")
+        info = self.owner_t.register([self.owner])
+        self.reader_t.register([self.reader])
+        self.reader_t.add_peers([info])
+        self.data = torch.randint(
+            0, 256, (pages, self.owner.page_bytes), dtype=torch.uint8, device="cuda"
+        )
+        handles = self.owner.write_many(self.owner.allocate_many(pages), self.data)
+        sealed = [r.handle for r in self.owner.seal_many(handles, NAMESPACE)]
+        self.export: PageExport = export_pages(
+            self.owner, sealed, namespace=NAMESPACE, peer=self.owner_t.name
+        )
+
+    def fetch(self) -> None:
+        result = fetch_verified(self.reader_t, self.export, timeout_s=60)
+        if result.failed:
+            raise AssertionError(f"verified fetch failed: {result.failed[0]}")
+        got = self.reader.data.index_select(
+            0, torch.tensor([self.reader.slot(f.handle) for f in result.fetched], device="cuda")
+        )
+        if not torch.equal(got, self.data):
+            raise AssertionError("a fetched page differs from the owner's")
+        self.reader.release_many([f.handle for f in result.fetched])
+        self.reader.evict(len(result.fetched), copy_data=False)  # the next fetch starts empty
+
+    def raw_read(self) -> None:
+        local = self.reader.allocate_many(len(self.export.slots))
+        try:
+            slots = [int(self.reader.slot(h)) for h in local]
+            ticket = self.reader_t.read(self.owner_t.name, self.export.slots, slots)
+            self.reader_t.wait(ticket, 60)
+        finally:
+            self.reader.release_many(local)
+
+    def close(self) -> None:
+        self.reader_t.close()
+        self.owner_t.close()
+
+
+def main() -> int:
+    args = parse_args("gpu_pool")
+    if not torch.cuda.is_available():
+        print("skipped: this python sees no CUDA device")
+        return SKIPPED
+    pages = 256 if args.quick else 1024
+    repeat = 3 if args.quick else 7
+    page_bytes = _pool(1).page_bytes
+    copy = _gbps(pages, page_bytes, _device_copy_s(pages, repeat))
+    note = f"{torch.cuda.get_device_name(0)}, {pages} MLA pages of {page_bytes} B"
+
+    def row(name: str, seconds: float) -> Row:
+        value = _gbps(pages, page_bytes, seconds)
+        return Row(
+            name=name,
+            value=value,
+            unit="GB/s",
+            baseline="device_copy",
+            baseline_value=copy,
+            note=note,
+        )
+
+    rows = [row("seal_gpu_pages", _seal_s(pages, repeat))]
+    for kind in ("local", "nixl"):
+        try:
+            pair = _Pair(kind, pages)
+        except Exception as exc:  # NIXL not installed, or no UCX CUDA transport
+            rows.append(Row.unavailable(f"verified_fetch_gpu_{kind}", "GB/s", str(exc)))
+            continue
+        try:
+            rows.append(
+                row(f"verified_fetch_gpu_{kind}", time_median(_synced(pair.fetch), repeat=repeat))
+            )
+            if kind == "nixl":
+                rows.append(
+                    row("nixl_read_gpu", time_median(_synced(pair.raw_read), repeat=repeat))
+                )
+        finally:
+            pair.close()
+    write_result("gpu_pool", args, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
