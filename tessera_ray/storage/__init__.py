@@ -15,11 +15,11 @@ from tessera_ray.storage.keys import (
     is_key_hex,
     normalize_key,
 )
-from tessera_ray.storage.tier import Tier, TierCapabilities
+from tessera_ray.storage.tier import StorageTier, TierCapabilities
 from tessera_ray.storage.windows import WindowPersister, WindowStrategy, window_write_bytes
 
 __all__ = [
-    "Tier",
+    "StorageTier",
     "TierCapabilities",
     "DiskTier",
     "DiskTierConfig",

@@ -39,7 +39,7 @@ from tessera_ray.storage._repair import Span, delete_records, quarantine_record,
 from tessera_ray.storage.config import DiskTierConfig
 from tessera_ray.storage.keys import ContentHasher, Payload, content_hasher, normalize_key
 from tessera_ray.storage.keys import writable_view as _writable
-from tessera_ray.storage.tier import Tier, TierCapabilities
+from tessera_ray.storage.tier import StorageTier, TierCapabilities
 
 __all__ = ["DiskTier", "DiskTierStats"]
 
@@ -59,7 +59,7 @@ class DiskTierStats:
     orphans: int
 
 
-class DiskTier(Tier):
+class DiskTier(StorageTier):
     """Pages of one layout in segment files under ``root`` (see the module docstring).
 
     Opening an existing root rebuilds the index from the segments' headers, deletes
@@ -174,7 +174,7 @@ class DiskTier(Tier):
     async def put_many(
         self, items: Sequence[tuple[bytes | str, Payload]], *, prehashed: bool = False
     ) -> None:
-        """Store pages under their content hashes (see :class:`Tier`).
+        """Store pages under their content hashes (see :class:`StorageTier`).
 
         ``prehashed``: the caller just computed every key from its payload with this root's
         hasher (a pool spilling pages it sealed), so the write does not hash the payloads

@@ -10,12 +10,12 @@ import torch
 from tessera_ray.errors import InvalidKeyError, StorageError
 from tessera_ray.storage.config import HostTierConfig
 from tessera_ray.storage.keys import ContentHasher, Payload, normalize_key, writable_view
-from tessera_ray.storage.tier import Tier, TierCapabilities
+from tessera_ray.storage.tier import StorageTier, TierCapabilities
 
 __all__ = ["HostMemoryTier"]
 
 
-class HostMemoryTier(Tier):
+class HostMemoryTier(StorageTier):
     """Pages in one preallocated slab: allocation never happens on the put path.
 
     Every page takes one slot of ``slot_bytes`` (the pool's page size, so slots never

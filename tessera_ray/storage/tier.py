@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tessera_ray.errors import PageNotFoundError
 from tessera_ray.storage.keys import Payload, normalize_key, payload_view
 
-__all__ = ["Tier", "TierCapabilities"]
+__all__ = ["StorageTier", "TierCapabilities"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +31,7 @@ class TierCapabilities:
     """``get_many_into`` fills caller buffers without an intermediate copy."""
 
 
-class Tier(ABC):
+class StorageTier(ABC):
     """Async content-addressed page store for one layout (and one content-hash key).
 
     Semantics every tier keeps (the conformance tests in ``tests/storage`` pin them):
@@ -110,7 +110,7 @@ class Tier(ABC):
         (removed,) = await self.delete_many([key])
         return removed
 
-    async def __aenter__(self) -> Tier:
+    async def __aenter__(self) -> StorageTier:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

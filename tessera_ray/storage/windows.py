@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from tessera_ray.layout import ModelLayout
 from tessera_ray.storage.keys import ContentHasher, Payload, payload_view
-from tessera_ray.storage.tier import Tier
+from tessera_ray.storage.tier import StorageTier
 
 __all__ = ["WindowStrategy", "window_write_bytes", "WindowPersister"]
 
@@ -76,7 +76,7 @@ class WindowPersister:
     ``None``: the caller recomputes.
     """
 
-    def __init__(self, tier: Tier, strategy: WindowStrategy, hasher: ContentHasher) -> None:
+    def __init__(self, tier: StorageTier, strategy: WindowStrategy, hasher: ContentHasher) -> None:
         self.tier = tier
         self.strategy = strategy
         self._hasher = hasher

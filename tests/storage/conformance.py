@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from tessera_ray.errors import InvalidKeyError, PageNotFoundError
-from tessera_ray.storage import Tier
+from tessera_ray.storage import StorageTier
 
 from .conftest import page, run
 
 
 class TierConformance:
-    def make_tier(self, capacity_pages: int = 64) -> Tier:
+    def make_tier(self, capacity_pages: int = 64) -> StorageTier:
         raise NotImplementedError
 
     def test_put_get_roundtrip(self) -> None:

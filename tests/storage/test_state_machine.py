@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from tessera_ray.storage import HostMemoryTier, Tier
+from tessera_ray.storage import HostMemoryTier, StorageTier
 
 from .conftest import HASH, open_disk, page
 
@@ -27,7 +27,7 @@ class _TierModel(RuleBasedStateMachine):
         self.model: dict[bytes, bytes] = {}
         self.tier = self.make()
 
-    def make(self) -> Tier:
+    def make(self) -> StorageTier:
         raise NotImplementedError
 
     def run(self, coro):  # type: ignore[no-untyped-def]
@@ -66,12 +66,12 @@ class _TierModel(RuleBasedStateMachine):
 
 
 class _HostModel(_TierModel):
-    def make(self) -> Tier:
+    def make(self) -> StorageTier:
         return HostMemoryTier(64 * 256, 256, hasher=HASH)
 
 
 class _DiskModel(_TierModel):
-    def make(self) -> Tier:
+    def make(self) -> StorageTier:
         self.dir = Path(tempfile.mkdtemp())
         return open_disk(self.dir / "t")
 
