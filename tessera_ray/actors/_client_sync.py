@@ -26,7 +26,7 @@ def run_blocking(coro: Coroutine[Any, Any, _T]) -> _T:
     coro.close()
     raise RuntimeError(
         "TesseraClient's blocking methods cannot run inside an event loop; await the "
-        "a-prefixed form instead (astore, alookup, afetch, aattend, aread, aevict)"
+        "a-prefixed form instead (astore, alookup, afetch, aattend, aread, aevict, astatus)"
     )
 
 

@@ -100,6 +100,23 @@ class ActorCache:
             self.forget(name)
             raise unavailable(f"{what} did not answer {method}: {type(exc).__name__}") from exc
 
+    def call_now(
+        self,
+        name: str,
+        what: str,
+        method: str,
+        args: tuple[object, ...],
+        timeout_s: float,
+        unavailable: type[PoolUnavailableError] | type[DirectoryUnavailableError],
+    ) -> Any:
+        """:meth:`call`, blocking: for synchronous callers that may run inside an event loop
+        (a Serve replica's constructor), where a coroutine cannot be run to completion."""
+        try:
+            return ray.get(getattr(self.get(name), method).remote(*args), timeout=timeout_s)
+        except UNREACHABLE as exc:
+            self.forget(name)
+            raise unavailable(f"{what} did not answer {method}: {type(exc).__name__}") from exc
+
 
 class PoolRef:
     """A pool actor, as its callers see it: typed methods, one error when it is unreachable."""
@@ -194,11 +211,12 @@ class PoolRef:
     async def status(self, timeout_s: float = CALL_TIMEOUT_S) -> PoolStatus:
         return cast(PoolStatus, await self._call("status", timeout_s=timeout_s))
 
-    async def describe(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
-        return cast(
-            tuple[ModelLayout, PoolServiceConfig, int],
-            await self._call("describe", timeout_s=CALL_TIMEOUT_S),
+    def describe_now(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
+        """The pool's layout, settings and shard count, blocking (:meth:`ActorCache.call_now`)."""
+        found = self.actors.call_now(
+            self.name, f"pool {self.name}", "describe", (), CALL_TIMEOUT_S, PoolUnavailableError
         )
+        return cast(tuple[ModelLayout, PoolServiceConfig, int], found)
 
     async def flush_metrics(self) -> None:
         await self._call("flush_metrics", timeout_s=CALL_TIMEOUT_S)

@@ -205,7 +205,7 @@ class TesseraClient:
                 f"(tessera-ray start)"
             )
         first = PoolRef(ActorCache(ray_namespace), pools[0])
-        layout, pool_cfg, num_shards = run_blocking(first.describe())
+        layout, pool_cfg, num_shards = first.describe_now()
         config = TierConfig(
             model=layout.model, pool=pool_cfg, num_shards=num_shards, ray_namespace=ray_namespace
         )
