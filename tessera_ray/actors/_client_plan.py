@@ -37,8 +37,8 @@ class FetchResult:
 
 class FetchPlan:
     """One fetch into pool ``into``: the local hits, the misses, and for every other key the
-    pools still to pull it from, best first (memory replicas before disk, then other pools
-    before ``into``'s own disk)."""
+    pools still to pull it from, best first: memory replicas, then ``into``'s own disk (a
+    restore reads no network), then other pools' disks."""
 
     def __init__(
         self, into: str, token_keys: Sequence[TokenKey], results: Sequence[LookupResult | None]
