@@ -48,7 +48,11 @@ shared-memory transports between processes of one host, and the engines were vLL
 on tiny random-weight models. Nothing here measures reads over RDMA or from GPU memory, FlashMLA
 or FlashInfer decode on pool pages, or a GPU engine's prefill against a tier load. Ratios against
 a same-run baseline (memcpy, raw xxh3, raw NIXL, the Ray object store) carry over better than
-absolute figures; the GPU checks (`benchmarks/gpu_check.sh`) have not run on a GPU yet.
+absolute figures. The GPU validation (`bash benchmarks/gpu_check.sh`: the kernels against the
+reference, decode over pool pages against the same pages contiguous, a device pool's seal and
+verified fetch against raw device copies and over NIXL VRAM to VRAM, a GPU vLLM engine's tier
+hits against its own prefix-cache hits) writes `benchmarks/results/gpu.json` and its rows here
+once it has run on a GPU; it has not yet.
 """
     return text
 
@@ -80,8 +84,26 @@ def summary(docs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def gpu_checks(doc: dict[str, Any]) -> list[str]:
+    """The GPU validation's run (``gpu_check.py``'s ``gpu.json``): one line per check."""
+    lines = [
+        "## GPU validation\n",
+        f"`bash benchmarks/gpu_check.sh` on {doc.get('device') or 'no CUDA device'}\n",
+        "| check | status | seconds | detail |",
+        "|---|---|---:|---|",
+    ]
+    for c in doc["checks"]:
+        lines.append(f"| {c['name']} | {c['status']} | {c['seconds']:.0f} | {c['detail']} |")
+    lines.append("")
+    return lines
+
+
 def render(docs: list[dict[str, Any]]) -> str:
+    validation = [d for d in docs if "checks" in d]
+    docs = [d for d in docs if "rows" in d]
     parts = [HEADER, limits(docs), *summary(docs)]
+    for run in validation:
+        parts.extend(gpu_checks(run))
     for doc in sorted(docs, key=lambda d: d["benchmark"]):
         m = doc["machine"]
         parts.append(f"## {doc['benchmark']}\n")

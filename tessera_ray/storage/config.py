@@ -31,10 +31,9 @@ class DiskTierConfig:
     """A batch larger than this is written as several segment files (bounds one write)."""
     io_threads: int = 4
     """Threads doing file IO, hashing and checksums off the event loop; each keeps one read in
-    flight. More threads were not faster on a 2-core machine (each thread's verification
-    competes for the cores the others need to keep their reads in flight;
-    docs/measured-choices.md). Each staged direct transfer holds one staging buffer while it
-    runs."""
+    flight. More threads than cores are not faster: each thread's verification competes for
+    the cores the others need to keep their reads in flight (docs/measured-choices.md). Each
+    staged direct transfer holds one staging buffer while it runs."""
     direct_io: bool | None = None
     """Read and write segments around the page cache (``O_DIRECT``). None (the default): direct
     where the root's filesystem supports it, else buffered; True: required (opening a root on a

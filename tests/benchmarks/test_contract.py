@@ -50,3 +50,21 @@ def test_render_marks_missed_targets() -> None:
     assert "| b | x | 0.5 | >= 0.8 | MISSED |" in render([doc])  # the summary's line
     row["target_ratio"] = 0.4
     assert " MISSED |" not in render([doc]) and "| b | x | 0.5 | >= 0.4 | met |" in render([doc])
+
+
+def test_the_gpu_validation_renders_as_its_own_section() -> None:
+    """``gpu.json`` (the GPU checks' run, not a benchmark) lands in BENCHMARKS.md as one line
+    per check, beside the benchmarks' sections."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+        from render import render
+    finally:
+        sys.path.pop(0)
+    checks = [
+        {"name": c.name, "status": "skipped", "seconds": 0.0, "detail": "no CUDA"}
+        for c in gpu_check.checks(ROOT / "benchmarks" / "results")
+    ]
+    page = render([{"device": None, "machine": {}, "checks": checks}])
+    section = page[page.index("## GPU validation") :]
+    assert section.count("| skipped |") == len(checks)
