@@ -97,7 +97,8 @@ class _RayPendingPin:
         self._ray: asyncio.Future[PinTicket] | None = None if call is not None else self._by_ray()
 
     def _by_ray(self) -> asyncio.Future[PinTicket]:
-        # Sent now, not when awaited: the pin travels while the reader reserves its slots.
+        # Started now (sent at the loop's next turn), not when awaited: the pin travels while
+        # the reader reserves its slots.
         return asyncio.ensure_future(self._link.ref.pin(self._access, self._keys, None))
 
     async def answer(self, timeout_s: float) -> PinTicket:
@@ -116,8 +117,11 @@ class _RayPendingPin:
             raise _unavailable(link.name, exc) from exc
 
     def cancel(self) -> None:
+        # An answered pin is reaped when its lease ends; the wait for an answer stops here.
         if self._call is not None:
-            self._call.cancel()  # an answered pin is reaped when its lease ends
+            self._call.cancel()
+        if self._ray is not None:
+            self._ray.cancel()
 
 
 class RayOwnerLink:
