@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,20 @@ from tessera_ray.cli import main
 from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
 from tests.conftest import SimCluster
+
+
+def _wait_gone(name: str, timeout_s: float = 30.0) -> None:
+    """Until Ray has removed the killed actor ``name`` (``ray.kill`` returns before it is
+    dead, and a call sent in between may still be answered)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} still named {timeout_s} s after ray.kill")
+
 
 pytestmark = pytest.mark.ray
 
@@ -53,6 +68,7 @@ def test_status_lists_every_pool_and_shard(
         assert first["blocks_in_memory"] == 2 and first["pages_used"] == {"memory": 1}
         assert sorted(s["shard"] for s in snapshot["shards"]) == [0, 1, 2]
         ray.kill(tier.pool(tier.pools[2]), no_restart=True)
+        _wait_gone(tier.pools[2])
         # A client that knew the pool reports it down; a fresh `status` no longer finds it by
         # name (killed actors leave Ray's name table) and counts only what is alive.
         text = render_status(*tier.status())
