@@ -23,7 +23,8 @@ help:
 	@echo "make demo   - the main job on an embedded local Ray"
 	@echo "make test   - the test suite (what CI runs)"
 	@echo "make bench  - every benchmark, then BENCHMARKS.md"
-	@echo "make check  - lint and the tests without Ray or slow ones (about a minute)"
+	@echo "make check  - lint, the tests without Ray or slow ones (about a minute), bench-check"
+	@echo "make bench-check - list benchmark results whose measured code changed since their run"
 	@echo "make lint   - ruff and mypy"
 	@echo "make test-vllm - the vLLM connector against vLLM (own venv, about 9 GB)"
 	@echo "make test-engine - real vLLM CPU engines over a real tier (own venv)"
@@ -42,9 +43,16 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# The contributor's loop: everything but the shared Ray cluster and the slow tests.
+# The contributor's loop: everything but the shared Ray cluster and the slow tests, then which
+# benchmark results a change has made stale (listed, not failed: re-running them is `make bench`'s
+# job, and `make bench-check` alone exits 1 while any is).
 check: lint
 	$(BIN)/python -m pytest -q -m "not ray and not slow"
+	@$(BIN)/python benchmarks/results_check.py || echo "bench-check: re-run the stale results above before quoting them"
+
+.PHONY: bench-check
+bench-check: $(STAMP)
+	$(BIN)/python benchmarks/results_check.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check tessera_ray tests benchmarks

@@ -15,12 +15,16 @@ tier's cover the same tokens):
   Mooncake master and its standalone store process on 127.0.0.1, TCP), each where it starts
   here; a row says why where not.
 
-Also ``decode_*``: the connector's cost to a decode step, measured inside the engine (its own
-hook time per step, from the counts vLLM collects from it, against the step's time), and decode
-tokens per second with the connector against without across engines, with the spread of two
-identical engines without a connector beside it; ``first_tier_hit_fresh_engine``: a new
-engine's first tier hit (after one unrelated warm-up request, so vLLM's own first-request costs
-are not counted) against a warm engine's.
+Also ``decode_step_connector_cost``: a decode step with the connector against without it, as
+the target states it: engines with and without the connector started alternately
+(``DECODE_STARTS`` each), a step's time from each start, the ratio of the medians with each
+side's spread; where the starts without the connector alone spread wider than the target's
+margin, the row is inconclusive on this machine. ``decode_step_hook_time``: the connector's own
+hook time per step against the step less it (a lower bound on its cost: it cannot see untimed
+calls, the metadata vLLM passes to the workers, the connector's threads or contention for the
+interpreter lock). ``first_tier_hit_fresh_engine``: a new engine's first tier hit against a
+warm engine's, after one warm-up request shorter than a tier block (vLLM's own first-request
+costs stay out; the connector's first lookup and first contact with the tier stay in).
 
 ``gqa_*``: the first-token rows and the decode step's connector cost again on a tiny
 grouped-query full-attention model (Qwen2, 8 query heads over 2 KV heads, vLLM's CPU attention
@@ -30,16 +34,17 @@ MLA model only.
 Every engine runs with the same CPU reservation (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``): vLLM's CPU
 build otherwise gives an engine with a connector another worker thread (docs/engine-parity.md),
 and the comparison would measure that instead. Every engine also has prefix caching on (forced
-where the CPU build turns it off for MLA), so that they differ only in the connector. Runs in
+where the CPU build turns it off for MLA) and vLLM's stat logging on (the connector's counts
+travel through it), so that they differ only in the connector. A peer's hit is compared only
+where every run of it loaded the whole prefix. Runs in
 ``.venv-engine`` (``make test-engine`` creates it); started from another interpreter it re-runs
 itself there.
 
-``--quick``: prefixes of 1k and 4k tokens, fewer repeats.
+``--quick``: prefixes of 1k and 4k tokens, fewer repeats and starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -63,14 +68,20 @@ from common import (  # noqa: E402
     Row,
     needs_engine_venv,
     parse_args,
+    spread,
     write_result,
 )
 
 TIER_BLOCK = 64
 TAIL = 5
 ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-WARM = [7] * 69
-"""A throwaway first request: vLLM's own first-request costs stay out of every timed run."""
+WARM = [7] * 40
+"""A throwaway first request: vLLM's own first-request costs stay out of every timed run. It is
+shorter than a tier block, so the connector neither looks it up nor stores it: a fresh engine's
+first tier hit still pays the connector's first contact with the tier."""
+DECODE_STARTS = 7
+DECODE_TARGET = 0.95
+DECODE_PROMPT = [11] * 37
 
 
 def _rate(seconds: float) -> float:
@@ -110,12 +121,11 @@ def main() -> None:
     from tessera_ray.actors.config import PoolServiceConfig, TierConfig
     from tessera_ray.layout import MLAConfig, build_layout
     from tessera_ray.models.hf_tiny import write_tiny_mla
-    from tests.engine._harness import run_engine
 
     lengths = [1024, 4096] if args.quick else [1024, 4096, 8192]
     repeat = 3 if args.quick else 5
+    starts = 3 if args.quick else DECODE_STARTS
     prompts = _prompts(lengths)
-    decode_prompt = [11] * 37
     work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
     model = write_tiny_mla(work / "tiny-mla-4", 4, max_positions=16384)
     ray.init(
@@ -135,14 +145,8 @@ def main() -> None:
         quiet=True,
     )
     tier = {"backend": "ray", "ray_address": address}
-    base = {"model": str(model), "env": ENV, "max_model_len": max(lengths) + 256}
-    decode_jobs = [
-        {"name": "decode/1", "prompt": decode_prompt, "max_tokens": 1, "repeat": repeat},
-        {"name": "decode/65", "prompt": decode_prompt, "max_tokens": 65, "repeat": repeat},
-    ]
-    plain_spec, plain, reader = _model_runs(base, tier, prompts, decode_jobs, repeat, work, "")
-    # The same engine as the first, minutes later: how far two identical engines differ here.
-    plain_again = run_engine({**plain_spec, "jobs": decode_jobs}, work, "plain-again")
+    base = engine_base(str(model), max(lengths) + 256)
+    plain, reader = _model_runs(base, tier, prompts, repeat, work, "")
     rows = _hit_rows("", plain, reader, lengths)
     first = lengths[0]
     fresh = reader.results["first"]["seconds"]
@@ -155,12 +159,14 @@ def main() -> None:
             baseline="warm engine's tier hit",
             baseline_value=_rate(warm_hit),
             target_ratio=0.5,
-            note=f"{fresh:.3f} s against {warm_hit:.3f} s, {first}-token prefix",
+            note=(
+                f"{fresh:.3f} s against {warm_hit:.3f} s, {first}-token prefix; the fresh "
+                f"engine's warm-up request ({len(WARM)} tokens) is shorter than a tier block"
+            ),
         )
     )
-
-    rows += _decode_rows(plain, reader, plain_again)
-    rows += _gqa_rows(work, tier, prompts, decode_jobs, repeat, max(lengths) + 256)
+    rows += decode_rows("", *_decode_starts(base, tier, work, starts, ""))
+    rows += _gqa_rows(work, tier, prompts, repeat, starts, max(lengths) + 256)
     example = {
         "kv_connector": "ExampleConnector",
         "kv_role": "kv_both",
@@ -173,16 +179,15 @@ def main() -> None:
     reader_4k = reader.results["tier/4096"]
     for peer, target in (("example", None), ("mooncake", 1.0)):
         row = next((r for r in peers if r.name == f"ttft_{peer}_hit_4k"), None)
-        unlike = row is not None and "NOT LIKE FOR LIKE" in (row.note or "")
-        if row is None or row.value is None or tier_4k is None or unlike:
+        if row is None or row.value is None or tier_4k is None:
             reason = "the peer did not run" if row is None else (row.note or "no value")
-            reason = reason.removeprefix(NOT_AVAILABLE)
-            if unlike:
-                reason = (
-                    "no cross-engine hit to compare: the second engine's first run recomputed "
-                    "the prefix"
+            rows.append(
+                Row.unavailable(
+                    f"tier_hit_vs_{peer}_hit_4k",
+                    "first tokens/s",
+                    reason.removeprefix(NOT_AVAILABLE),
                 )
-            rows.append(Row.unavailable(f"tier_hit_vs_{peer}_hit_4k", "first tokens/s", reason))
+            )
             continue
         rows.append(
             Row(
@@ -192,6 +197,7 @@ def main() -> None:
                 baseline=f"{peer} connector hit",
                 baseline_value=_rate(row.value),
                 target_ratio=target,
+                derived_from=f"ttft_tier_hit_4k and ttft_{peer}_hit_4k (first tokens/s = 1 / s)",
                 miss_reason=(
                     f"the tier hit's load on the forward path ({_load_note(reader_4k)}) "
                     f"against the whole gap of {(tier_4k - row.value) * 1e3:.0f} ms; "
@@ -203,24 +209,137 @@ def main() -> None:
     write_result("engine", args, rows, versions=versions)
 
 
+def engine_base(model: str, max_model_len: int) -> dict[str, Any]:
+    """What every engine of this benchmark shares: the CPU reservation, prefix caching and
+    vLLM's stat logging (the connector's counts travel through it); specs add a connector and
+    their jobs, nothing else."""
+    return {
+        "model": model,
+        "env": ENV,
+        "max_model_len": max_model_len,
+        "force_prefix_caching": True,
+        "log_stats": True,
+    }
+
+
+def decode_specs(
+    base: dict[str, Any], tier: dict[str, Any], repeat: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The decode engines without and with the connector: the same spec but for it (and the
+    reading of its counts)."""
+    jobs = [
+        {"name": "decode/1", "prompt": DECODE_PROMPT, "max_tokens": 1, "repeat": repeat},
+        {"name": "decode/65", "prompt": DECODE_PROMPT, "max_tokens": 65, "repeat": repeat},
+    ]
+    plain = {**base, "jobs": jobs}
+    return plain, {**plain, "connector": tier, "connector_stats": True}
+
+
+def _step_s(run: Any) -> float:
+    """One decode step's time in one engine: 64 more tokens' time over 64."""
+    one = _median(run.results["decode/1"]["seconds"])
+    many = _median(run.results["decode/65"]["seconds"])
+    return (many - one) / 64
+
+
+def _decode_starts(
+    base: dict[str, Any], tier: dict[str, Any], work: Path, starts: int, tag: str
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """Engines without and with the connector started alternately, ``starts`` of each: the
+    step time of each start, and the connector's own counts summed over its starts."""
+    from tests.engine._harness import run_engine
+
+    plain_spec, tier_spec = decode_specs(base, tier, 3)
+    plain, with_tier, counts = [], [], {}
+    for i in range(starts):
+        plain.append(_step_s(run_engine(plain_spec, work, f"{tag}decode-plain-{i}")))
+        run = run_engine(tier_spec, work, f"{tag}decode-tier-{i}")
+        with_tier.append(_step_s(run))
+        for k, v in run.results["decode/65"]["connector"].items():
+            if isinstance(v, int | float):
+                counts[k] = counts.get(k, 0) + v
+    return plain, with_tier, counts
+
+
+def decode_rows(
+    prefix: str, plain: list[float], with_tier: list[float], counts: dict[str, float]
+) -> list[Row]:
+    """The decode step with the connector against without it (ratio of the medians over the
+    starts; inconclusive where the starts without it alone spread wider than the target's
+    margin), and the connector's self-timed hook cost, a lower bound."""
+    step, bare = statistics.median(with_tier), statistics.median(plain)
+
+    def side(xs: list[float]) -> str:
+        ms = sorted(x * 1e3 for x in xs)
+        return f"median {statistics.median(ms):.2f} ms ({ms[0]:.2f} to {ms[-1]:.2f})"
+
+    margin, floor = 1 - DECODE_TARGET, spread(plain)
+    steps = counts.get("worker_steps", 0)
+    parts = {
+        k: counts.get(k, 0.0) / steps if steps else 0.0
+        for k in ("forward_s", "scheduler_s", "store_cpu_s")
+    }
+    hooks = sum(parts.values())
+    us = ", ".join(f"{k.removesuffix('_s')} {v * 1e6:.0f}" for k, v in parts.items())
+    return [
+        Row(
+            name=f"{prefix}decode_step_connector_cost",
+            value=1 / step,
+            unit="steps/s",
+            baseline="engines without the connector, started alternately",
+            baseline_value=1 / bare,
+            target_ratio=DECODE_TARGET,
+            note=(
+                f"{len(plain)} starts of each, 64 greedy tokens after a {len(DECODE_PROMPT)}-token "
+                f"prompt; a step with the connector {side(with_tier)}, without {side(plain)}"
+            ),
+            inconclusive=(
+                f"the starts without the connector alone spread {floor:.1%} (max - min over "
+                f"the median), wider than the target's margin of {margin:.0%}"
+                if floor > margin
+                else None
+            ),
+            miss_reason=(
+                f"the connector's own hooks took {hooks * 1e6:.0f} us per step ({us} us), a "
+                f"lower bound of the {(step - bare) * 1e6:.0f} us between the medians"
+            ),
+        ),
+        Row(
+            name=f"{prefix}decode_step_hook_time",
+            value=1 / step,
+            unit="steps/s",
+            baseline="the same steps less the connector's self-timed hooks",
+            baseline_value=1 / (step - hooks),
+            derived_from=(
+                "the step time of the engines with the connector and the time its hooks "
+                "recorded themselves"
+            ),
+            note=(
+                f"{hooks * 1e6:.0f} us of {step * 1e3:.2f} ms per step ({us} us), "
+                f"{steps:.0f} steps: a lower bound on the connector's cost (it cannot see "
+                "untimed calls, the metadata sent to the workers, the connector's threads or "
+                "contention for the interpreter lock)"
+            ),
+        ),
+    ]
+
+
 def _model_runs(
     base: dict[str, Any],
     tier: dict[str, Any],
     prompts: dict[int, list[int]],
-    decode_jobs: list[dict[str, Any]],
     repeat: int,
     work: Path,
     tag: str,
-) -> tuple[dict[str, Any], Any, Any]:
-    """One model's engines: vLLM alone (cold prefill, decode), an engine that stores the
-    prefixes in the tier, and a second, fresh process that reads them and measures vLLM's own
-    prefix-cache hit too (the same engine: the ceiling). Returns (plain spec, plain, reader)."""
+) -> tuple[Any, Any]:
+    """One model's engines: vLLM alone (cold prefill), an engine that stores the prefixes in
+    the tier, and a second, fresh process that reads them and measures vLLM's own prefix-cache
+    hit too (the same engine: the ceiling). Returns (plain, reader)."""
     from tests.engine._harness import run_engine
 
     plain_jobs: list[dict[str, Any]] = [{"name": "warm", "prompt": WARM, "max_tokens": 1}]
     plain_jobs += [{"name": f"cold/{n}", "prompt": p, "max_tokens": 1} for n, p in prompts.items()]
-    plain_spec = {**base, "force_prefix_caching": True, "jobs": plain_jobs + decode_jobs}
-    plain = run_engine(plain_spec, work, f"{tag}plain")
+    plain = run_engine({**base, "jobs": plain_jobs}, work, f"{tag}plain")
     store_jobs = [{"name": f"cold/{n}", "prompt": p, "max_tokens": 1} for n, p in prompts.items()]
     store = {**base, "connector": tier, "kv_role": "kv_producer", "jobs": store_jobs}
     run_engine(store, work, f"{tag}store")
@@ -240,9 +359,9 @@ def _model_runs(
             },
             {"name": f"own/{n}", "prompt": p, "max_tokens": 1, "repeat": repeat},
         ]
-    reader_spec = {**base, "connector": tier, "force_prefix_caching": True, "connector_stats": True}
-    reader = run_engine({**reader_spec, "jobs": tier_jobs + decode_jobs}, work, f"{tag}tier")
-    return plain_spec, plain, reader
+    reader_spec = {**base, "connector": tier, "connector_stats": True, "jobs": tier_jobs}
+    reader = run_engine(reader_spec, work, f"{tag}tier")
+    return plain, reader
 
 
 def _hit_rows(prefix: str, plain: Any, reader: Any, lengths: list[int]) -> list[Row]:
@@ -252,9 +371,11 @@ def _hit_rows(prefix: str, plain: Any, reader: Any, lengths: list[int]) -> list[
         cold = plain.results[f"cold/{n}"]["seconds"]
         own = reader.results[f"own/{n}"]
         hit = reader.results[f"tier/{n}"]
-        assert hit["cached"] == n == own["cached"], f"hits of {hit['cached']}, {own['cached']}"
+        counted = {*hit["cached_runs"], *own["cached_runs"]}
+        assert counted == {n}, f"{n}-token prefix: runs counted {sorted(counted)} tokens cached"
         t, o = _median(hit["seconds"]), _median(own["seconds"])
         k = f"{n // 1024}k"
+        rate = f"first tokens/s = 1 / s of {prefix}ttft_tier_hit_{k} and {prefix}ttft_"
         rows += [
             Row(name=f"{prefix}ttft_cold_{k}", value=cold, unit="s", note="no connector"),
             Row(
@@ -268,6 +389,7 @@ def _hit_rows(prefix: str, plain: Any, reader: Any, lengths: list[int]) -> list[
                 baseline="vLLM's own prefix hit, same engine",
                 baseline_value=_rate(o),
                 target_ratio=1 / 1.5 if n == 4096 else None,
+                derived_from=f"{rate}vllm_hit_{k}",
                 miss_reason=f"the tier hit's load on the forward path: {_load_note(hit)}",
             ),
             Row(
@@ -277,6 +399,7 @@ def _hit_rows(prefix: str, plain: Any, reader: Any, lengths: list[int]) -> list[
                 baseline="cold prefill, no connector",
                 baseline_value=_rate(cold),
                 target_ratio=3.0 if n == 4096 else None,
+                derived_from=f"{rate}cold_{k}",
             ),
         ]
     return rows
@@ -286,8 +409,8 @@ def _gqa_rows(
     work: Path,
     tier: dict[str, Any],
     prompts: dict[int, list[int]],
-    decode_jobs: list[dict[str, Any]],
     repeat: int,
+    starts: int,
     max_model_len: int,
 ) -> list[Row]:
     """The same first-token rows, and the decode step's connector cost, on the tiny
@@ -310,13 +433,11 @@ def _gqa_rows(
     pool = PoolServiceConfig(num_blocks=2048)
     config = TierConfig(model=layout.model, pool=pool, num_shards=1, ray_namespace=namespace)
     TesseraClient.start(config, layout=layout, quiet=True)
-    base = {"model": str(model), "env": ENV, "max_model_len": max_model_len}
+    base = engine_base(str(model), max_model_len)
     gqa_tier = {**tier, "ray_namespace": namespace}
-    _, plain, reader = _model_runs(base, gqa_tier, prompts, decode_jobs, repeat, work, "gqa-")
+    plain, reader = _model_runs(base, gqa_tier, prompts, repeat, work, "gqa-")
     rows = _hit_rows("gqa_", plain, reader, sorted(prompts))
-    cost = _decode_rows(plain, reader, plain)[0]
-    rows.append(dataclasses.replace(cost, name=f"gqa_{cost.name}"))
-    return rows
+    return rows + decode_rows("gqa_", *_decode_starts(base, gqa_tier, work, starts, "gqa-"))
 
 
 def _load_note(hit: dict[str, Any]) -> str:
@@ -329,59 +450,6 @@ def _load_note(hit: dict[str, Any]) -> str:
     )
 
 
-def _decode_rows(plain: Any, reader: Any, plain_again: Any) -> list[Row]:
-    def step_s(run: Any) -> float:
-        one = _median(run.results["decode/1"]["seconds"])
-        many = _median(run.results["decode/65"]["seconds"])
-        return (many - one) / 64
-
-    # The connector's time per step over the 65-token runs: its hooks on the scheduler's and
-    # the worker's paths, and the background stores' CPU time counted as if all of it were
-    # taken from the step.
-    counts = reader.results["decode/65"]["connector"]
-    steps = counts["worker_steps"]
-    parts = {k: counts.get(k, 0.0) / steps for k in ("forward_s", "scheduler_s", "store_cpu_s")}
-    cost, step = sum(parts.values()), step_s(reader)
-    us = ", ".join(f"{k.removesuffix('_s')} {v * 1e6:.0f}" for k, v in parts.items())
-    return [
-        Row(
-            name="decode_step_connector_cost",
-            value=1 / step,
-            unit="steps/s",
-            baseline="the same steps without the connector's time",
-            baseline_value=1 / (step - cost),
-            target_ratio=0.95,
-            note=(
-                f"{cost * 1e6:.0f} us of {step * 1e3:.2f} ms per decode step ({us} us), "
-                f"{steps} steps; measured inside the engine"
-            ),
-            miss_reason=(
-                f"the connector's own hooks: {parts['forward_s'] * 1e6:.0f} us per step on the "
-                f"forward path, {parts['scheduler_s'] * 1e6:.0f} us on the scheduler's"
-            ),
-        ),
-        Row(
-            name="decode_with_connector",
-            value=1 / step,
-            unit="tokens/s",
-            baseline="another engine without a connector",
-            baseline_value=1 / step_s(plain),
-            note="64 greedy tokens after a 37-token prompt; across engines, see the next row",
-        ),
-        Row(
-            name="decode_engine_spread",
-            value=1 / step_s(plain_again),
-            unit="tokens/s",
-            baseline="the same engine without a connector, started earlier",
-            baseline_value=1 / step_s(plain),
-            note=(
-                "two identical engines, no connector: the run-to-run floor of any "
-                "comparison between engine processes on this machine"
-            ),
-        ),
-    ]
-
-
 def _peer_rows(
     peer: str,
     transfer: dict[str, Any],
@@ -392,8 +460,8 @@ def _peer_rows(
     work: Path,
 ) -> list[Row]:
     """One of vLLM's own connectors on the same prompts: an engine stores them, a second,
-    fresh one loads them (after one unrelated warm-up request, as the tier's engine; vLLM's
-    own cache emptied before each run)."""
+    fresh one loads them (after the same warm-up request as the tier's engine; vLLM's own
+    cache emptied before each run)."""
     from tests.engine._harness import run_engine
 
     spec = {**base, "kv_transfer_config": transfer, "env": {**base["env"], **env}}
@@ -415,23 +483,20 @@ def _peer_rows(
         loader = run_engine({**spec, "jobs": jobs}, work, f"{slug}-load")
     except AssertionError as exc:
         return [Row.unavailable(f"ttft_{slug}_hit", "s", f"{peer} did not run: {_cause(str(exc))}")]
-    rows = []
-    for n in prompts:
-        hit = loader.results[f"hit/{n}"]
-        runs = hit["seconds"] if isinstance(hit["seconds"], list) else [hit["seconds"]]
-        # A first run far slower than the rest, without the prefix counted cached, computed
-        # it: the second engine did not find what the first stored, and its later "hits" read
-        # what it stored itself.
-        recomputed = hit["cached"] < n and runs[0] > 5 * min(runs)
-        note = (
-            f"runs {', '.join(f'{x:.3f}' for x in runs)} s; {hit['cached']} tokens counted cached"
-        )
-        if recomputed:
-            note += "; NOT LIKE FOR LIKE: the first run recomputed the prefix"
-        rows.append(
-            Row(name=f"ttft_{slug}_hit_{n // 1024}k", value=_median(runs), unit="s", note=note)
-        )
-    return rows
+    return [peer_row(slug, n, loader.results[f"hit/{n}"]) for n in prompts]
+
+
+def peer_row(slug: str, n: int, hit: dict[str, Any]) -> Row:
+    """A peer's first-token time for an ``n``-token prefix, only where every run loaded all of
+    it (a run that loaded part of it, or recomputed it, is not the same work as the tier's
+    full hit): otherwise a row without a value that says what the runs loaded."""
+    runs = hit["seconds"] if isinstance(hit["seconds"], list) else [hit["seconds"]]
+    cached = hit.get("cached_runs", [hit["cached"]])
+    note = f"runs {', '.join(f'{x:.3f}' for x in runs)} s; tokens counted cached {cached}"
+    name = f"ttft_{slug}_hit_{n // 1024}k"
+    if set(cached) != {n}:
+        return Row.unavailable(name, "s", f"not a full {n}-token prefix hit in every run: {note}")
+    return Row(name=name, value=_median(runs), unit="s", note=note)
 
 
 def _cause(log: str) -> str:

@@ -3,18 +3,27 @@
 Each benchmark runs alone (``python benchmarks/bench_<name>.py [--quick] [--out FILE]``);
 ``--quick`` finishes within a minute on a 2-core machine. It writes one JSON document::
 
-    {"benchmark": NAME, "machine": {...}, "command": "...", "quick": bool,
-     "rows": [{"name", "value", "unit", "baseline", "baseline_value", "ratio", "target_ratio"}]}
+    {"benchmark": NAME, "machine": {...}, "command": "...", "quick": bool, "time": ISO,
+     "commit": "git describe", "measures": [paths],
+     "rows": [{"name", "value", "unit", "baseline", "baseline_value", "ratio", "target_ratio",
+               "verdict", "derived", "derived_from"}]}
+
+``commit`` is the checkout the run measured (``-dirty`` when a path it measures had uncommitted
+changes) and ``measures`` the paths whose code the numbers depend on (``MEASURES``):
+``benchmarks/results_check.py`` lists the results whose measured paths changed since.
 
 A row whose system could not be installed or started has ``"value": null`` and a ``note``
 starting ``"not available: "`` with the reason: a missing peer is reported, never estimated. A
 document may list ``"plots"`` (PNG file names next to the JSON, which BENCHMARKS.md shows) and
 ``"versions"`` (system -> version, or why it is not available).
 
-Ratios compare the tier against a baseline measured in the same run and process (memcpy, raw
-xxh3, raw NIXL, ...), never against a number from another day. ``ratio`` is value over
-baseline_value for throughputs; a row says so in its ``unit``. ``make bench`` runs every
-benchmark and regenerates BENCHMARKS.md from the JSON files (``benchmarks/render.py``).
+Ratios compare the tier against a baseline measured in the same run (memcpy, raw xxh3, raw
+NIXL, ...), never against a number from another day. A row whose value or baseline is computed
+from other figures rather than measured as such says what it is ``derived_from``. ``ratio`` is
+value over baseline_value for throughputs; a row says so in its ``unit``. ``verdict`` is
+``met``, ``MISSED``, ``inconclusive`` (the baseline's own spread here is wider than the target's
+margin) or ``None`` without a target. ``make bench`` runs every benchmark and regenerates
+BENCHMARKS.md from the JSON files (``benchmarks/render.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,12 +52,56 @@ __all__ = [
     "NOT_AVAILABLE",
     "ENGINE_PYTHON",
     "needs_engine_venv",
+    "MEASURES",
+    "source_commit",
+    "spread",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ENGINE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-engine" / "bin" / "python"
 """vLLM's CPU build lives in its own virtualenv (``make test-engine`` creates it)."""
 NOT_AVAILABLE = "not available: "
+ROOT = Path(__file__).resolve().parents[1]
+
+_TIER = (
+    "tessera_ray/actors",
+    "tessera_ray/core",
+    "tessera_ray/layout",
+    "tessera_ray/storage",
+    "tessera_ray/transport",
+    "tessera_ray/metrics.py",
+    "tessera_ray/errors.py",
+)
+_ENGINE = (
+    *_TIER,
+    "tessera_ray/serve",
+    "tessera_ray/models",
+    "tests/engine/_harness.py",
+    "tests/engine/_run_engine.py",
+    "benchmarks/_peers.py",
+)
+MEASURES: dict[str, tuple[str, ...]] = {
+    "baselines": (),
+    "pool": ("tessera_ray/core", "tessera_ray/layout"),
+    "disk": ("tessera_ray/storage", "tessera_ray/core", "tessera_ray/layout"),
+    "directory": _TIER,
+    "transport": _TIER,
+    "peers": (*_TIER, "benchmarks/_peers.py", "benchmarks/_peer_sides.py"),
+    "fleet": (*_TIER, "tessera_ray/demo", "tessera_ray/models", "benchmarks/_prefill.py"),
+    "kernels": ("tessera_ray/kernels", "tessera_ray/layout", "tessera_ray/core"),
+    "engine": _ENGINE,
+    "serve": (
+        *_ENGINE,
+        "tessera_ray/demo",
+        "tessera_ray/_loopback.py",
+        "tessera_ray/metrics_scrape.py",
+    ),
+    "gpu_pool": _TIER,
+    "gpu": (*_ENGINE, "tessera_ray/kernels", "tests/gpu", "tests/core/test_pool_gpu.py"),
+}
+"""Per benchmark, the paths (besides its own script and this module) whose code its numbers
+depend on: the package modules it drives, in this process or in the engines and actors it
+starts. ``results_check.py`` compares them with the commit a result recorded."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,11 +120,25 @@ class Row:
     miss_reason: str | None = None
     """Why the target is missed, as found by measurement; added to the note only in a run
     where the ratio falls below the target."""
+    derived_from: str | None = None
+    """What the value or the baseline is computed from (other rows, or a figure subtracted),
+    for a row that does not measure its comparison directly."""
+    inconclusive: str | None = None
+    """Set when the baseline's own spread on this machine is wider than the target's margin
+    (the spread, in words): the target can be neither met nor missed here."""
+
+    @property
+    def verdict(self) -> str | None:
+        ratio = self.ratio
+        if self.target_ratio is None or ratio is None:
+            return None
+        if self.inconclusive:
+            return "inconclusive"
+        return "MISSED" if ratio < self.target_ratio else "met"
 
     @property
     def missed(self) -> bool:
-        ratio = self.ratio
-        return self.target_ratio is not None and ratio is not None and ratio < self.target_ratio
+        return self.verdict == "MISSED"
 
     @property
     def ratio(self) -> float | None:
@@ -86,11 +154,17 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["ratio"] = self.ratio
+        out["verdict"] = self.verdict
         reason = out.pop("miss_reason")
         if reason and self.missed:
             out["note"] = f"{out['note']}; below target: {reason}" if out["note"] else reason
-        if out["note"] is None:
-            del out["note"]
+        if self.inconclusive and self.verdict == "inconclusive":
+            why = f"inconclusive on this machine: {self.inconclusive}"
+            out["note"] = f"{out['note']}; {why}" if out["note"] else why
+        out["derived"] = self.derived_from is not None
+        for key in ("note", "derived_from", "inconclusive"):
+            if out[key] is None:
+                del out[key]
         return out
 
 
@@ -155,6 +229,7 @@ def write_result(
         doc["plots"] = plots
     if versions:
         doc["versions"] = versions
+    doc.update(provenance(benchmark))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     for r in rows:
@@ -164,6 +239,46 @@ def write_result(
         print(f"{r.name:<28} {value} {r.unit:<10}{ratio}{why}")
     print(f"wrote {args.out}")
     return doc
+
+
+def measured_paths(benchmark: str) -> list[str]:
+    """What a result of ``benchmark`` depends on: ``MEASURES`` (a ``KeyError`` names a
+    benchmark missing there), its own script and this module."""
+    script = {"gpu": "gpu_check.py", "gpu_pool": "gpu_pool.py"}.get(
+        benchmark, f"bench_{benchmark}.py"
+    )
+    return [f"benchmarks/{script}", "benchmarks/common.py", *MEASURES[benchmark]]
+
+
+def source_commit(paths: list[str], root: Path = ROOT) -> str | None:
+    """``git describe --always`` of the checkout, ``-dirty`` when any of ``paths`` has changes
+    not committed (untracked files under them included): the code a run measured. Changes
+    elsewhere (results written by an earlier benchmark of the same ``make bench``) do not
+    count. ``None`` outside a git checkout."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(
+            ["git", *argv], cwd=root, capture_output=True, text=True, check=True, timeout=30
+        )
+        return done.stdout.strip()
+
+    try:
+        commit = git("describe", "--always", "--abbrev=12")
+        dirty = git("status", "--porcelain", "--untracked-files=all", "--", *paths)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}-dirty" if dirty else commit
+
+
+def provenance(benchmark: str) -> dict[str, Any]:
+    """The fields that tie a result to the code it measured: ``commit``, ``measures``."""
+    paths = measured_paths(benchmark)
+    return {"commit": source_commit(paths), "measures": paths}
+
+
+def spread(samples: list[float]) -> float:
+    """(max - min) / median: how far apart the runs of one configuration landed."""
+    return (max(samples) - min(samples)) / statistics.median(samples)
 
 
 def time_median(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> float:

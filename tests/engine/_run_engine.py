@@ -6,14 +6,16 @@ engine core and worker processes under it. The spec::
 
     {"model": dir, "block_size": int | null, "connector": {extra config} | null,
      "kv_transfer_config": {...} | null, "kv_role": "kv_both", "force_prefix_caching": bool,
-     "enforce_eager": bool, "max_tokens": int, "env": {name: value}, "connector_stats": bool,
+     "enforce_eager": bool, "max_tokens": int, "env": {name: value}, "log_stats": bool,
+     "connector_stats": bool,
      "jobs": [{"name": str, "prompt": [ids], "salt": str | null, "max_tokens": int,
                "repeat": int, "fresh_cache": bool} | {"kill_pools": ray namespace}]}
 
 ``connector`` is TesseraConnector's ``kv_connector_extra_config``; ``kv_transfer_config`` names
 another connector whole (vLLM's own, for the benchmark's peers). A job's ``seconds`` is the
 wall time of ``generate`` in this process (first token time with ``max_tokens`` 1), one per
-``repeat``; the tokens and logprobs are the first run's. ``fresh_cache`` empties vLLM's own
+``repeat``; the tokens and logprobs are the first run's, ``cached`` the first run's cached
+prompt tokens and ``cached_runs`` every run's. ``fresh_cache`` empties vLLM's own
 prefix cache before each run, so that a repeated prompt is a tier hit every time.
 
 ``force_prefix_caching``: vLLM's CPU build turns prefix caching off for MLA models on CPUs
@@ -21,9 +23,11 @@ without AMX (its reference MLA backend); a reference engine turns it back on, so
 itself computes a cached prefix, through the same context-attention path a tier hit takes.
 The engine under test never sets it.
 
-``connector_stats``: vLLM's stat logging on, and each job's result gains ``connector``: the
-connector's counts over the job (``tessera_ray.serve._connector_stats``), as vLLM's stat
-logger received them from the scheduler and the workers.
+``log_stats``: vLLM's stat logging on (its periodic log line off). ``connector_stats`` implies
+it, and each job's result gains ``connector``: the connector's counts over the job
+(``tessera_ray.serve._connector_stats``), as vLLM's stat logger received them from the
+scheduler and the workers. A benchmark that compares engines sets ``log_stats`` on all of them,
+so that they differ only in the connector.
 
 With ``"tries"`` instead of ``"jobs"`` (a list of connector configs), the engine is started
 once per config and each start's outcome is recorded: a line ``=== try N ===`` on stderr
@@ -73,7 +77,7 @@ def _engine(spec: dict[str, Any], connector: dict[str, Any] | None) -> Any:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": connector,
         }
-    if spec.get("connector_stats"):
+    if spec.get("log_stats") or spec.get("connector_stats"):
         kwargs["disable_log_stats"] = False
         os.environ["VLLM_LOG_STATS_INTERVAL"] = "1e9"  # the jobs take the counts, not the log
     return LLM(
@@ -164,6 +168,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                 lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs, strict=True)
             ],
             "cached": results[0].num_cached_tokens or 0,
+            "cached_runs": [r.num_cached_tokens or 0 for r in results],
             "seconds": seconds[0] if len(seconds) == 1 else seconds,
         }
         if spec.get("connector_stats"):
