@@ -431,6 +431,12 @@ def main() -> None:
                 baseline=baselines[base],
                 baseline_value=vals[base],
                 note=f"{note}; {what}",
+                # The tier's own side is its target row's value, set against another baseline.
+                derived_from=(
+                    f"the value of this section's target row and {baselines[base]}"
+                    if side == "tier"
+                    else None
+                ),
             )
             for name, side, base, what in specs
         ]

@@ -324,6 +324,7 @@ def build_rows(sizes: list[Size], samples: Samples, problems: dict[str, str]) ->
                     baseline=f"{peer}_{size.label}",
                     baseline_value=base,
                     target_ratio=target,
+                    derived_from=f"tessera_fetch_{size.label} and {peer}_{size.label}",
                     note=note,
                 )
             )

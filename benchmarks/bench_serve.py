@@ -141,6 +141,7 @@ def main() -> None:
                 baseline=f"tessera_{name}",
                 baseline_value=ours[name],
                 target_ratio=1.0001,
+                derived_from=f"{best}_{name} and tessera_{name}",
                 miss_reason=reason,
             )
         )

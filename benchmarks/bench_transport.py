@@ -465,6 +465,7 @@ def main() -> None:
                     baseline=f"ray_object_store_{label}",
                     baseline_value=r["ray"],
                     target_ratio=2.0,
+                    derived_from=f"{full} and ray_object_store_{label}",
                     note=note,
                     miss_reason=f"{why}; on one node Ray's get is a copy out of shared memory",
                 ),
@@ -545,6 +546,7 @@ def main() -> None:
                     unit="GB/s",
                     baseline=f"memcpy_{label}",
                     baseline_value=r["memcpy"],
+                    derived_from=f"{full} and memcpy_{label}",
                     note=note,
                 ),
             ]
