@@ -100,6 +100,15 @@ def summary(docs: list[dict[str, Any]]) -> list[str]:
                 f">= {_fmt(r['target_ratio'])} | {_verdict(r)} | {doc.get('commit') or '?'} |"
             )
     lines.append("")
+    derived = [
+        f"{doc['benchmark']}: {', '.join(r['name'] for r in doc['rows'] if r.get('derived_from'))}"
+        for doc in sorted(docs, key=lambda d: d["benchmark"])
+        if any(r.get("derived_from") for r in doc["rows"])
+    ]
+    if derived:
+        lines.append(
+            "Derived rows (each names what it is computed from): " + "; ".join(derived) + ".\n"
+        )
     return lines
 
 
@@ -107,7 +116,8 @@ def gpu_checks(doc: dict[str, Any]) -> list[str]:
     """The GPU validation's run (``gpu_check.py``'s ``gpu.json``): one line per check."""
     lines = [
         "## GPU validation\n",
-        f"`bash benchmarks/gpu_check.sh` on {doc.get('device') or 'no CUDA device'}\n",
+        f"`bash benchmarks/gpu_check.sh` on {doc.get('device') or 'no CUDA device'} "
+        f"(commit {doc.get('commit') or 'not recorded'}, {doc.get('time', '?')})\n",
         "| check | status | seconds | detail |",
         "|---|---|---:|---|",
     ]

@@ -134,3 +134,4 @@ def test_benchmarks_md_shows_each_sections_commit_and_marks_derived_and_inconclu
     assert "| toy | c | 0.9091 | >= 0.95 | inconclusive | abc123def456 |" in page
     assert "derived from 1 / a" in page and "inconclusive on this machine: y spread 12%" in page
     assert " MISSED" not in page
+    assert "Derived rows (each names what it is computed from): toy: b." in page

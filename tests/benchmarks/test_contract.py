@@ -68,3 +68,15 @@ def test_the_gpu_validation_renders_as_its_own_section() -> None:
     page = render([{"device": None, "machine": {}, "checks": checks}])
     section = page[page.index("## GPU validation") :]
     assert section.count("| skipped |") == len(checks)
+    assert "no result here records such a run" in " ".join(page.split())
+    assert "On a GPU" not in page
+    # A run on a device: the opening says what ran there, and stops saying nothing did.
+    ran = [{**c, "status": "ok"} for c in checks[:2]] + [
+        {**c, "status": "missed"} for c in checks[2:3]
+    ]
+    doc = {"device": "H200", "machine": {}, "commit": "abc", "time": "t", "checks": ran}
+    page = render([doc])
+    opening = " ".join(page[: page.index("## GPU validation")].split())
+    assert f"On a GPU (H200) the GPU validation ran: {checks[0]['name']} (ok)" in opening
+    assert f"{checks[2]['name']} (missed)" in opening and "no result here records" not in opening
+    assert "(commit abc, t)" in page
