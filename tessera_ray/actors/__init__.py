@@ -1,4 +1,5 @@
 """Thin Ray shells over the core classes: pool actors, the sharded directory, the client.
 
-The one module that makes ``ray.*`` calls lives here; everything below it is testable without Ray.
+The four modules that import Ray live here (``pool_actor``, ``directory_actor``, ``client`` and
+``_ray_handles``, the boundary they call through); everything below them is testable without Ray.
 """

@@ -4,8 +4,8 @@
 is batched: one directory round trip per shard per request. The actor shells it starts live
 beside it: :class:`~tessera_ray.actors.pool_actor.PoolActor` and
 :class:`~tessera_ray.actors.directory_actor.DirectoryActor` (re-exported here). These three
-modules, with ``_ray_handles`` (the typed calls they all make) and ``_ray_owner``, are the ones of
-``actors/`` that import Ray.
+modules, with ``_ray_handles`` (the typed calls they all make), are the ones of ``actors/`` that
+import Ray; ``_ray_owner`` reaches owners through ``_ray_handles`` and imports none.
 
 Actor names: ``tessera-dir-<i>`` and ``tessera-pool-<node>-<i>`` in the tier's Ray namespace.
 """

@@ -98,10 +98,10 @@ class LookupAnswer(list[LookupResult | None]):
     with the keys, that pickles as a few flat columns.
 
     Why: pickling frozen slotted dataclasses runs Python code per object (the dataclass
-    ``__getstate__``, and Ray's pickler looks at each object); for 512 hits that was 2.3 ms to
-    pickle and 1.3 ms to unpickle here, against about 0.1 ms for the same fields as tuples of
-    ints and bytes. A lookup answer crosses a process boundary on every fetch. It unpickles as
-    a plain ``list``; in-process it is one already.
+    ``__getstate__``, and Ray's pickler looks at each object), an order of magnitude more than
+    the same fields as tuples of ints and bytes (docs/measured-choices.md). A lookup answer
+    crosses a process boundary on every fetch. It unpickles as a plain ``list``; in-process it
+    is one already.
     """
 
     __slots__ = ()

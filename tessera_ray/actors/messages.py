@@ -169,9 +169,9 @@ class PinTicket:
     re-adds it when this changes (a restarted pool has a new NIXL agent under the same name)."""
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        # Pickled as flat columns, not one object per block: the dataclass pickling ran
-        # Python code for every PinnedBlock, 1.1 ms each way for 512 blocks here, on every
-        # fetch's pin (see directory.LookupAnswer for the same on lookups).
+        # Pickled as flat columns, not one object per block: the dataclass pickling runs
+        # Python code for every PinnedBlock on every fetch's pin (see directory.LookupAnswer
+        # for the same on lookups; the figures in docs/measured-choices.md).
         held = [(i, b) for i, b in enumerate(self.blocks) if b is not None]
         groups = len(held[0][1].slots) if held else 0
         per_group = [

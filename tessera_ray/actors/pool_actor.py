@@ -2,8 +2,8 @@
 on CPU clusters), placed by node affinity. It reaps expired leases in the background, serves
 its pin channel, and pulls blocks from other pools (``fetch_from``, the protocol in
 :mod:`~tessera_ray.actors.fetcher`, owners reached through :mod:`~tessera_ray.actors._ray_owner`).
-With those, ``directory_actor``, ``client`` and ``_ray_names``, one of the modules of
-``actors/`` that make Ray calls.
+With ``directory_actor``, ``client`` and ``_ray_handles``, one of the four modules of
+``actors/`` that import Ray.
 """
 
 from __future__ import annotations

@@ -4,12 +4,8 @@ windowed reads. Used where the filesystem allows it unless ``DiskTierConfig.dire
 
 Why bypass the page cache: the tier sits under a memory pool that already caches the hot
 pages, so a second copy in the kernel's page cache only competes with the pool for memory, and
-writing through it costs a copy plus dirty-page writeback that an fsync then waits for. On this
-VM (ext4 on virtio, 2,048 MLA pages in batches of 64, 11 interleaved rounds) the crash-safe
-segment protocol wrote at 1.37 GB/s direct against 1.18 GB/s buffered and 1.22 GB/s for a raw
-buffered append with the same fsyncs, and the direct side never fell into the buffered sides'
-0.3-0.5 GB/s rounds; reading the same pages back cold, direct reads of whole segment windows on
-four threads ran at 1.77 GB/s against 1.60 GB/s for one raw buffered read of the same bytes.
+writing through it costs a copy plus dirty-page writeback that an fsync then waits for. The
+figures that chose it are in docs/measured-choices.md (disk tier, direct I/O).
 
 Direct IO needs the buffer, the file offset and the length aligned to the device's logical
 block: writes, and reads into buffers that are not block-aligned, go through a page-aligned
