@@ -44,8 +44,8 @@ class _Counts:
     store_s: float = 0.0
     """Wall time of the background stores (off the forward path)."""
     store_cpu_s: float = 0.0
-    """CPU time of the background store thread: the most it can take from the engine's
-    threads."""
+    """CPU time of the background store thread. Not a bound on what it costs the engine: the
+    contention it causes for cores and the interpreter lock is not in it."""
 
 
 COUNT_KEYS: tuple[str, ...] = tuple(f.name for f in fields(_Counts))
