@@ -13,8 +13,9 @@ crashes cannot take the others down. Each is reported with one status:
   installed: its last line says what); a pytest check, when none of its tests passed and some
   skipped (the detail gives each skip reason). The kernels' tests are a check of their own, so
   reference-path tests that pass cannot make skipped kernels look ``ok``;
-- ``missed``: a benchmark ran, but a row of its result has a ``ratio`` below its
-  ``target_ratio`` (the detail names each row and its ratio).
+- ``missed``: a benchmark ran, but a row of its result is ``MISSED`` as BENCHMARKS.md would
+  show it: its ``ratio`` below its ``target_ratio`` and not ``inconclusive`` (the detail names
+  each row and its ratio).
 
 ``failed`` and ``timeout`` fail the run (exit 1); ``missed`` and ``skipped`` do not, but the last
 line lists them. Without a CUDA device every check is reported skipped (and the run exits 0): the
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, machine_info, provenance  # noqa: E402
+from render import row_verdict  # noqa: E402
 
 SKIPPED = 77
 """The exit status of a check that could not run here (the automake convention)."""
@@ -180,13 +182,11 @@ def _rows_verdict(result: Path, before: tuple[int, int, int] | None) -> tuple[st
         rows = json.loads(result.read_text())["rows"]
     except (OSError, ValueError, KeyError) as e:
         return "failed", f"unreadable result {result}: {e!r}"
-    # The row's own verdict where it recorded one: an inconclusive row is not a miss.
+    # BENCHMARKS.md's verdict for the same row: an inconclusive row is not a miss.
     missed = [
         f"{r['name']} {r['ratio']:.3f} < {r['target_ratio']}"
         for r in rows
-        if r.get("target_ratio") is not None
-        and r.get("ratio") is not None
-        and r.get("verdict", "MISSED" if r["ratio"] < r["target_ratio"] else "met") == "MISSED"
+        if r.get("target_ratio") is not None and row_verdict(r) == "MISSED"
     ]
     absent = [r["name"] for r in rows if r.get("value") is None]
     tail = f"; not available: {', '.join(absent)}" if absent else ""

@@ -69,9 +69,10 @@ records such a run.
     return text
 
 
-def _verdict(row: dict[str, Any]) -> str:
-    """The row's own verdict where it recorded one (``inconclusive`` needs the run's spread);
-    else from its ratio and target."""
+def row_verdict(row: dict[str, Any]) -> str:
+    """A recorded row's verdict against its target: the row's own where it recorded one
+    (``inconclusive`` needs the run's spread), else from its ratio; ``not measured`` without a
+    ratio."""
     target, ratio = row.get("target_ratio"), row.get("ratio")
     if ratio is None:
         return "not measured"
@@ -97,7 +98,7 @@ def summary(docs: list[dict[str, Any]]) -> list[str]:
             name = f"{r['name']} (derived)" if r.get("derived_from") else r["name"]
             lines.append(
                 f"| {doc['benchmark']} | {name} | {_fmt(r.get('ratio'))} | "
-                f">= {_fmt(r['target_ratio'])} | {_verdict(r)} | {doc.get('commit') or '?'} |"
+                f">= {_fmt(r['target_ratio'])} | {row_verdict(r)} | {doc.get('commit') or '?'} |"
             )
     lines.append("")
     derived = [
@@ -148,7 +149,7 @@ def render(docs: list[dict[str, Any]]) -> str:
         parts.append("|---|---:|---|---|---:|---:|---:|---|")
         for r in doc["rows"]:
             target = r.get("target_ratio")
-            verdict = _verdict(r) if target is not None else "met"
+            verdict = row_verdict(r) if target is not None else "met"
             goal = (">= " + _fmt(target) if target is not None else "") + (
                 "" if verdict == "met" else f" {verdict}"
             )

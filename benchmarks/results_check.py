@@ -79,7 +79,9 @@ def _changed(root: Path, commit: str, path: str) -> bool:
     if old is None or new is None:
         return old != new
     if path.endswith(".py"):
-        return code_of(old) != code_of(new) or code_of(new) is None
+        before, after = code_of(old), code_of(new)
+        if before is not None and after is not None:
+            return before != after
     return old != new
 
 

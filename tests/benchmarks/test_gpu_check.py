@@ -244,6 +244,14 @@ def test_a_benchmark_row_below_its_target_is_missed_and_does_not_fail_the_run(
                 {"name": "pool_flashmla", "value": 8.0, "ratio": 0.9123, "target_ratio": 0.95},
                 {"name": "no_target", "value": 1.0, "ratio": 0.1, "target_ratio": None},
                 {"name": "absent", "value": None, "ratio": None, "target_ratio": 0.95},
+                # Below its target but recorded inconclusive (its baseline's spread): no miss.
+                {
+                    "name": "noisy",
+                    "value": 7.0,
+                    "ratio": 0.8,
+                    "target_ratio": 0.95,
+                    "verdict": "inconclusive",
+                },
             ],
         )
         return _done(argv)
