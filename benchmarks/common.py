@@ -74,6 +74,7 @@ _TIER = (
 )
 _ENGINE = (
     *_TIER,
+    "tessera_ray/vllm",
     "tessera_ray/serve",
     "tessera_ray/models",
     "tests/engine/_harness.py",

@@ -287,3 +287,13 @@ class BadRequestError(TesseraError, ValueError):
     """A request is malformed or oversized (an HTTP body that is not JSON, a missing field, a
     key that is not 64 hex digits, a batch over the per-call limit); refused before anything in
     the tier changes (the Serve app answers it with status 400)."""
+
+
+# ------------------------------------------------------------------ the vLLM connector's tier
+__all__ += ["TierUnavailableError"]
+
+
+class TierUnavailableError(TesseraError, ConnectionError):
+    """The tier could not answer a connector's call in time (a pool or directory shard down or
+    slow, a transfer that failed): the connector recomputes what it asked for and counts it.
+    Every other error out of a tier backend is a bug and reaches vLLM."""

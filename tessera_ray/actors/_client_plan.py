@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera_ray.actors.directory import LookupResult, Tier
+from tessera_ray.actors.directory import Holder, LookupResult, Tier
 from tessera_ray.actors.messages import BlockFailure, FetchFailure
 from tessera_ray.core.results import TokenKey
 
@@ -38,28 +38,30 @@ class FetchResult:
 class FetchPlan:
     """One fetch into pool ``into``: the local hits, the misses, and for every other key the
     pools still to pull it from, best first: memory replicas, then ``into``'s own disk (a
-    restore reads no network), then other pools' disks."""
+    restore reads no network), then other pools' disks. ``holders[i]``: where a lookup found
+    ``token_keys[i]`` (``None``: a miss)."""
 
     def __init__(
-        self, into: str, token_keys: Sequence[TokenKey], results: Sequence[LookupResult | None]
+        self,
+        into: str,
+        token_keys: Sequence[TokenKey],
+        holders: Sequence[Sequence[Holder] | None],
     ) -> None:
         self.into = into
         self._keys = token_keys
-        self._results = results
+        self._holders = holders
         self.local: list[TokenKey] = []
         self.missed: list[TokenKey] = []
         self.pending: dict[TokenKey, list[str]] = {}
         self.fetched: list[TokenKey] = []
         self.failed: dict[TokenKey, BlockFailure] = {}
-        for key, r in zip(token_keys, results, strict=True):
-            if r is None:
+        for key, held in zip(token_keys, holders, strict=True):
+            if not held:
                 self.missed.append(key)
-            elif any(rep.pool == into and rep.tier == Tier.MEMORY for rep in r.replicas):
+            elif any(h.pool == into and h.tier == Tier.MEMORY for h in held):
                 self.local.append(key)
             else:
-                order = sorted(
-                    r.replicas, key=lambda rep: (rep.tier != Tier.MEMORY, rep.pool != into)
-                )
+                order = sorted(held, key=lambda h: (h.tier != Tier.MEMORY, h.pool != into))
                 self.pending[key] = list(dict.fromkeys(rep.pool for rep in order))
 
     def confirm_local(self, held: Sequence[Tier | None]) -> None:
@@ -69,16 +71,21 @@ class FetchPlan:
         for key, tier in zip(list(self.local), held, strict=True):
             if tier != Tier.MEMORY:
                 self.local.remove(key)
-                result = self._results[self._keys.index(key)]
-                others = (
-                    [rep.pool for rep in result.replicas if rep.pool != self.into] if result else []
-                )
+                holders = self._holders[self._keys.index(key)] or ()
+                others = [h.pool for h in holders if h.pool != self.into]
                 if tier == Tier.DISK:
                     others.insert(0, self.into)
                 if others:
                     self.pending[key] = list(dict.fromkeys(others))
                 else:
                     self.missed.append(key)
+
+    @classmethod
+    def of_lookup(
+        cls, into: str, token_keys: Sequence[TokenKey], results: Sequence[LookupResult | None]
+    ) -> FetchPlan:
+        """The plan for a directory lookup's answer."""
+        return cls(into, token_keys, [Holder.of(r) if r is not None else None for r in results])
 
     def by_owner(self) -> dict[str, list[TokenKey]]:
         """The pending keys grouped by the pool to try next: one pull per owner per round."""

@@ -5,7 +5,8 @@ is batched: one directory round trip per shard per request. The actor shells it 
 beside it: :class:`~tessera_ray.actors.pool_actor.PoolActor` and
 :class:`~tessera_ray.actors.directory_actor.DirectoryActor` (re-exported here). These three
 modules, with ``_ray_handles`` (the typed calls they all make), are the ones of ``actors/`` that
-import Ray; ``_ray_owner`` reaches owners through ``_ray_handles`` and imports none.
+import Ray; :mod:`~tessera_ray.actors.pool_link` reaches pools through ``_ray_handles`` and
+imports none.
 
 Actor names: ``tessera-dir-<i>`` and ``tessera-pool-<node>-<i>`` in the tier's Ray namespace.
 """
@@ -36,7 +37,7 @@ from tessera_ray.actors._ray_handles import (
     shard_name,
 )
 from tessera_ray.actors.config import TierConfig
-from tessera_ray.actors.directory import DirectoryStats, LookupResult
+from tessera_ray.actors.directory import DirectoryStats, Holder, LookupResult
 from tessera_ray.actors.directory_actor import DirectoryActor
 from tessera_ray.actors.links import sharded_lookup
 from tessera_ray.actors.messages import (
@@ -47,6 +48,7 @@ from tessera_ray.actors.messages import (
     StoredBlock,
 )
 from tessera_ray.actors.pool_actor import PoolActor
+from tessera_ray.actors.pool_link import PoolLink, PoolLinks
 from tessera_ray.actors.tenancy import Access, Credential, TenantGate
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import DirectoryUnavailableError, PoolUnavailableError
@@ -96,6 +98,7 @@ class TesseraClient:
         self.owns_ray = owns_ray
         """True when :meth:`start` started the embedded Ray; :meth:`stop` then shuts it down."""
         self._actors = ActorCache(config.ray_namespace)
+        self._links = PoolLinks(self._actors, label="client")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -237,6 +240,15 @@ class TesseraClient:
     def shard_ref(self, i: int) -> ShardRef:
         return ShardRef(self._actors, i)
 
+    def pool_link(self, name: str) -> PoolLink:
+        """Pool ``name`` over its channel first, through Ray otherwise: pins, unpins and lookups
+        of what it holds, the pool's restarts tracked (:mod:`~tessera_ray.actors.pool_link`)."""
+        return self._links.link(name)
+
+    def close_links(self) -> None:
+        """Close the channels :meth:`pool_link` opened (on the loop that opened them)."""
+        self._links.close()
+
     def pool(self, name: str) -> Any:
         """Pool ``name``'s raw Ray actor handle (for operators and tests: ``ray.kill``, a call
         the typed interface does not offer)."""
@@ -309,14 +321,28 @@ class TesseraClient:
         await asyncio.gather(*(purge(s) for s in range(self.config.num_shards)))
 
     async def afetch(
-        self, namespace: Access, token_keys: Sequence[TokenKey], *, into: str
+        self,
+        namespace: Access,
+        token_keys: Sequence[TokenKey],
+        *,
+        into: str,
+        holders: Sequence[Sequence[Holder] | None] | None = None,
     ) -> FetchResult:
         """Make the blocks available in pool ``into``: local hits stay, blocks held elsewhere are
         pulled (memory replicas first, then disk), a dead owner is purged and the next replica
-        tried; what no live replica has is a miss (the engine recomputes it)."""
-        plan = FetchPlan(into, token_keys, await self.alookup(namespace, token_keys))
+        tried; what no live replica has is a miss (the engine recomputes it).
+
+        ``holders``: where a lookup already found each key (the vLLM connector carries its
+        scheduler's lookup to the worker): the directory is not asked again, and local hits are
+        not confirmed (the caller's next call to ``into``, a pin or a read, says what it still
+        holds)."""
+        if holders is None:
+            found = await self.alookup(namespace, token_keys)
+            plan = FetchPlan.of_lookup(into, token_keys, found)
+        else:
+            plan = FetchPlan(into, token_keys, holders)
         target = self.pool_ref(into)
-        if plan.local:
+        if plan.local and holders is None:
             # Confirm the local hits (the directory may lag an eviction) and mark them used, so
             # the pool keeps them over older blocks; a stale one is pulled like any other.
             plan.confirm_local(await target.contains(namespace, plan.local, True))

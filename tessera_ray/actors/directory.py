@@ -32,6 +32,7 @@ __all__ = [
     "Replica",
     "Registration",
     "LookupResult",
+    "Holder",
     "LookupAnswer",
     "Registrations",
     "DirectoryStats",
@@ -79,6 +80,19 @@ class LookupResult(NamedTuple):
     token_key: TokenKey
     block_hash: BlockHash
     replicas: tuple[Replica, ...]
+
+
+class Holder(NamedTuple):
+    """A replica as a reader pulls from it: pool ``pool`` holds the block in ``tier`` (the
+    slot is the pool's own business). What a lookup's answer says per block when it travels on
+    to whoever reads, so that the reader does not ask the directory again."""
+
+    pool: str
+    tier: Tier
+
+    @staticmethod
+    def of(result: LookupResult) -> tuple[Holder, ...]:
+        return tuple(Holder(r.pool, r.tier) for r in result.replicas)
 
 
 _TIERS = tuple(sorted(Tier))

@@ -100,8 +100,9 @@ class OwnerLink(Protocol):
         """The owner failed: drop cached handles and connections (it may come back)."""
         ...
 
-    def restarted(self) -> None:
-        """The owner is a new process under the same name."""
+    def saw(self, incarnation: int) -> bool:
+        """Record the owner's incarnation from its answer; True when it differs from the one
+        seen before (first contact, or a new process under the same name)."""
         ...
 
 
@@ -120,7 +121,6 @@ class Fetcher:
         self._link_to = link_to
         self._metrics = metrics
         self._tags = tags or {}
-        self._incarnations: dict[str, int] = {}
         self._reports: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly
 
     async def fetch(
@@ -159,10 +159,8 @@ class Fetcher:
             if ticket.namespace != namespace:
                 detail = f"owner {owner_name} answered for another namespace"
                 return [BlockFailure(FetchFailure.WRONG_NAMESPACE, detail)] * len(keys)
-            if self._incarnations.get(owner_name) != ticket.incarnation:
-                self._forget_peer(owner_name)
-                link.restarted()
-                self._incarnations[owner_name] = ticket.incarnation
+            if link.saw(ticket.incarnation):
+                self._forget_peer(owner_name)  # a new process registered new memory
             reasons = await self._move(link, namespace, ticket, reservation, timeout_s)
             suspects = [
                 k
@@ -313,6 +311,7 @@ class LocalOwnerLink:
         self.alive = True
         self.forgotten = 0
         self.restarts = 0
+        self.incarnation: int | None = None
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -346,5 +345,9 @@ class LocalOwnerLink:
     def forget(self) -> None:
         self.forgotten += 1
 
-    def restarted(self) -> None:
+    def saw(self, incarnation: int) -> bool:
+        if self.incarnation == incarnation:
+            return False
+        self.incarnation = incarnation
         self.restarts += 1
+        return True

@@ -1,7 +1,7 @@
 """The pool actor: a thin async Ray shell over :class:`PoolService`, one per GPU (or per node
 on CPU clusters), placed by node affinity. It reaps expired leases in the background, serves
 its pin channel, and pulls blocks from other pools (``fetch_from``, the protocol in
-:mod:`~tessera_ray.actors.fetcher`, owners reached through :mod:`~tessera_ray.actors._ray_owner`).
+:mod:`~tessera_ray.actors.fetcher`, owners reached through :mod:`~tessera_ray.actors.pool_link`).
 With ``directory_actor``, ``client`` and ``_ray_handles``, one of the four modules of
 ``actors/`` that import Ray.
 """
@@ -18,7 +18,7 @@ import torch
 
 from tessera_ray.actors._heap import freeze_startup_heap
 from tessera_ray.actors._pool_runtime import every, reap_forever, serve_pin_channel
-from tessera_ray.actors._ray_owner import RayOwnerLinks
+from tessera_ray.actors._ray_handles import ActorCache
 from tessera_ray.actors.channel import ChannelAddress, ChannelServer
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import Registration, Tier
@@ -35,6 +35,7 @@ from tessera_ray.actors.messages import (
     Reservation,
     StoredBlock,
 )
+from tessera_ray.actors.pool_link import PoolLinks
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
@@ -80,7 +81,12 @@ class PoolActor:
             gate=TenantGate(tenant_secret),
         )
         self.metrics = get_metrics()
-        self._links = RayOwnerLinks(name, ray_namespace, self.directory, config.pin_channel)
+        self._links = PoolLinks(
+            ActorCache(ray_namespace),
+            label=f"pool {name}",
+            channels=config.pin_channel,
+            directory=self.directory,
+        )
         self.fetcher = Fetcher(
             self.svc, self._links.link, self.metrics, pool_tags(ray_namespace, name, node)
         )

@@ -20,7 +20,7 @@ from typing import Any
 
 from tessera_ray.demo.workload import DemoConfig, Fleet, Request
 from tessera_ray.models.hf_tiny import TOKENIZER_WORDS
-from tessera_ray.serve._connector_plan import TIER_TOKENS_PARAM
+from tessera_ray.vllm.scheduler import TIER_TOKENS_PARAM
 
 __all__ = [
     "TurnResult",

@@ -1,6 +1,6 @@
-"""Ray Serve application and the vLLM KV connector.
-
-Import :mod:`tessera_ray.serve.app` for the HTTP app (it imports Ray Serve, so it is not
-imported here), and :mod:`tessera_ray.serve.connector` for the vLLM connector (vLLM loads it by
-module path; it imports vLLM only when vLLM asks for the connector class).
+"""The Ray Serve side of the tier: the HTTP app (:mod:`~tessera_ray.serve.app`), Ray Serve LLM
+deployments with the tier's connector (:mod:`~tessera_ray.serve.llm`), and the prefix-aware
+router in front of them (:mod:`~tessera_ray.serve.router`, decisions in
+:mod:`~tessera_ray.serve.routing`). They import Ray Serve, so none is imported here. The vLLM
+connector itself is :mod:`tessera_ray.vllm`.
 """

@@ -1,67 +1,23 @@
-"""The vLLM v1 KV connector of tessera-ray: vLLM engines (and Ray Serve LLM deployments) read and
-write their prefix KV through the tier.
-
-vLLM loads it by module path::
-
-    kv_transfer_config = {
-        "kv_connector": "TesseraConnector",
-        "kv_connector_module_path": "tessera_ray.serve.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": "ray", "namespace": "my-app"},
-    }
-
-Each finished request's ``kv_transfer_params`` (returned in vLLM's OpenAI responses) carries
-``{TIER_TOKENS_PARAM: n}``: the prompt tokens the tier supplied to it.
-
-``kv_connector_extra_config`` is parsed into :class:`TesseraConnectorConfig` (unknown keys and
-wrong types are refused). This module imports without vLLM: ``TesseraConnector`` and
-``TesseraConnectorMetadata`` are loaded on first access (only vLLM asks for them), so the rest of
-tessera-ray never needs vLLM installed.
-"""
+"""The vLLM connector's old module path, kept for one release: vLLM configs that name
+``kv_connector_module_path: tessera_ray.serve.connector`` keep working, with a warning to move
+to ``tessera_ray.vllm.connector`` (the connector now has a package of its own)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
-from tessera_ray.serve._connector_config import BACKEND_KINDS, TesseraConnectorConfig
-from tessera_ray.serve._connector_plan import (
-    TIER_TOKENS_PARAM,
-    BlockLoad,
-    BlockSave,
-    StepPlan,
-    TokenRows,
-    tenant_namespace,
+from tessera_ray.vllm import connector as _connector
+
+__all__ = list(_connector.__all__)
+
+warnings.warn(
+    "tessera_ray.serve.connector moved to tessera_ray.vllm.connector; set "
+    "kv_connector_module_path to the new path (the old one goes in the next release)",
+    DeprecationWarning,
+    stacklevel=2,
 )
-
-if TYPE_CHECKING:
-    from tessera_ray.serve._connector_vllm import TesseraConnector, TesseraConnectorMetadata
-
-__all__ = [
-    "TesseraConnector",
-    "TesseraConnectorMetadata",
-    "TesseraConnectorConfig",
-    "BACKEND_KINDS",
-    "StepPlan",
-    "BlockLoad",
-    "BlockSave",
-    "TokenRows",
-    "tenant_namespace",
-    "TIER_TOKENS_PARAM",
-]
-
-_NEEDS_VLLM = ("TesseraConnector", "TesseraConnectorMetadata")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _NEEDS_VLLM:
-        try:
-            module = importlib.import_module("tessera_ray.serve._connector_vllm")
-        except ImportError as exc:
-            raise ImportError(
-                f"tessera_ray.serve.connector.{name} needs vLLM ({exc}); install vllm in this "
-                "environment (see `make test-vllm`)"
-            ) from exc
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_connector, name)

@@ -1,6 +1,6 @@
 """Ray Serve LLM over the tier: an OpenAI-compatible app (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``) whose vLLM replicas keep their prefix KV in the tier
-through :mod:`tessera_ray.serve.connector`, routed by :class:`TesseraRequestRouter`.
+through :mod:`tessera_ray.vllm.connector`, routed by :class:`TesseraRequestRouter`.
 
 Ray's ``ray.serve.llm`` runs the replicas (GPU nodes and, with ``device: cpu``, vLLM's CPU
 build); this module only writes its ``LLMConfig`` so that the connector and the router agree on
@@ -162,7 +162,7 @@ class ServeLLMSettings:
             **self.engine_kwargs,
             "kv_transfer_config": {
                 "kv_connector": "TesseraConnector",
-                "kv_connector_module_path": "tessera_ray.serve.connector",
+                "kv_connector_module_path": "tessera_ray.vllm.connector",
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": self.connector_config(),

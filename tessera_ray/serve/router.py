@@ -41,7 +41,6 @@ from tessera_ray.actors.client import TesseraClient
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import TierConfigError
 from tessera_ray.metrics import Metrics, get_metrics
-from tessera_ray.serve._connector_plan import prompt_keys, tenant_namespace
 from tessera_ray.serve.routing import (
     ReplicaState,
     RouteChoice,
@@ -50,6 +49,8 @@ from tessera_ray.serve.routing import (
     choose_replica,
     leading_blocks_by_pool,
 )
+from tessera_ray.vllm.backend import TIER_FAILURES
+from tessera_ray.vllm.keys import prompt_keys, tenant_namespace
 
 __all__ = ["TesseraRequestRouter", "request_prompt"]
 
@@ -130,7 +131,7 @@ class TesseraRequestRouter(RequestRouter):
             self._connect_after = time.monotonic() + _CONNECT_RETRY_S
             try:
                 self._client = await asyncio.to_thread(TesseraClient.connect, self._ray_namespace)
-            except Exception as exc:
+            except TIER_FAILURES as exc:  # counted as fallback routes until it is up
                 log.info("no tier to route on yet: %s", exc)
         return self._client
 
@@ -165,7 +166,7 @@ class TesseraRequestRouter(RequestRouter):
                 tokens: list[int] | None = prompt
             else:  # loading and running a tokenizer stays off Serve's event loop
                 tokens = await asyncio.to_thread(self._token_ids, prompt)
-        except Exception as exc:  # a prompt the tokenizer refuses is the engine's to reject
+        except (ValueError, TypeError, KeyError) as exc:  # the engine rejects such a prompt
             log.debug("router could not tokenize a prompt: %s", exc)
             tokens = None
         if tokens is None:
@@ -192,7 +193,7 @@ class TesseraRequestRouter(RequestRouter):
                 client.alookup(namespace, keys, strict=True),
                 self._lookup_timeout_s,
             )
-        except Exception as exc:  # the tier is down or slow: route without it
+        except TIER_FAILURES as exc:  # the tier is down or slow: route without it
             log.info("tier lookup for routing did not answer: %s", exc)
             return None
         return (
@@ -259,5 +260,5 @@ class TesseraRequestRouter(RequestRouter):
             if choice.reason is not RouteReason.FALLBACK:
                 del tags["reason"]
                 self._metrics.observe("tessera_route_local_blocks", choice.local_blocks, tags)
-        except Exception as exc:  # metrics never stop a request
+        except ValueError as exc:  # metrics never stop a request (a tag Ray refuses)
             log.debug("route metrics not recorded: %s", exc)

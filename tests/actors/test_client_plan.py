@@ -33,7 +33,7 @@ def test_memory_replicas_first_then_our_own_disk_then_other_disks() -> None:
         _hit(1, (INTO, Tier.MEMORY), ("a", Tier.MEMORY)),
         _hit(2, (INTO, Tier.DISK), ("a", Tier.DISK), ("b", Tier.MEMORY)),
     ]
-    plan = FetchPlan(INTO, [_key(i) for i in range(3)], results)
+    plan = FetchPlan.of_lookup(INTO, [_key(i) for i in range(3)], results)
     assert plan.missed == [_key(0)] and plan.local == [_key(1)]
     assert plan.pending == {_key(2): ["b", INTO, "a"]}
     assert plan.by_owner() == {"b": [_key(2)]}
@@ -46,7 +46,7 @@ def test_a_local_hit_the_pool_no_longer_holds_is_pulled_from_its_disk_first() ->
         _hit(2, (INTO, Tier.MEMORY), ("a", Tier.MEMORY)),
         _hit(3, (INTO, Tier.MEMORY)),
     ]
-    plan = FetchPlan(INTO, keys, results)
+    plan = FetchPlan.of_lookup(INTO, keys, results)
     plan.confirm_local([Tier.MEMORY, Tier.DISK, None])
     assert plan.local == [_key(1)]
     assert plan.pending == {_key(2): [INTO, "a"]}
@@ -59,7 +59,7 @@ def test_each_answer_moves_a_key_to_its_next_owner_until_none_is_left() -> None:
         _hit(1, ("a", Tier.MEMORY), ("b", Tier.DISK)),
         _hit(2, ("a", Tier.MEMORY)),
     ]
-    plan = FetchPlan(INTO, keys, results)
+    plan = FetchPlan.of_lookup(INTO, keys, results)
     assert plan.by_owner() == {"a": keys}
     answer = [GONE, GONE]
     assert FetchPlan.owner_lost(answer) and not FetchPlan.owner_lost([None, NOT_HELD])

@@ -393,9 +393,9 @@ def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
 
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from tessera_ray.serve._connector_plan import prompt_keys
     from tessera_ray.serve.router import TesseraRequestRouter
     from tessera_ray.serve.routing import RouteReason
+    from tessera_ray.vllm.keys import prompt_keys
 
     tokens = list(range(5, 5 + 3 * LAYOUT.block_tokens + 9))
     keys = prompt_keys(LAYOUT.fingerprint, "served", tokens, LAYOUT.block_tokens, None, "route-ns")

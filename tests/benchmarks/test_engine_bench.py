@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.serve._connector_plan import NewScheduled, SchedulerPlanner
+from tessera_ray.vllm.records import NewScheduled
+from tessera_ray.vllm.scheduler import SchedulerPlanner
 from tests.benchmarks.contract import ROOT
 from tests.serve.test_connector_config import _Request, _Tier
 

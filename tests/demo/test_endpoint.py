@@ -22,7 +22,7 @@ from tessera_ray.demo.endpoint import (
     summarize,
 )
 from tessera_ray.demo.workload import DemoConfig
-from tessera_ray.serve.connector import TIER_TOKENS_PARAM
+from tessera_ray.vllm.connector import TIER_TOKENS_PARAM
 
 
 class _Endpoint:

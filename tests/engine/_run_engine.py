@@ -25,7 +25,7 @@ The engine under test never sets it.
 
 ``log_stats``: vLLM's stat logging on (its periodic log line off). ``connector_stats`` implies
 it, and each job's result gains ``connector``: the connector's counts over the job
-(``tessera_ray.serve._connector_stats``), as vLLM's stat logger received them from the
+(``tessera_ray.vllm.stats``), as vLLM's stat logger received them from the
 scheduler and the workers. A benchmark that compares engines sets ``log_stats`` on all of them,
 so that they differ only in the connector.
 
@@ -72,7 +72,7 @@ def _engine(spec: dict[str, Any], connector: dict[str, Any] | None) -> Any:
     elif connector is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TesseraConnector",
-            "kv_connector_module_path": "tessera_ray.serve.connector",
+            "kv_connector_module_path": "tessera_ray.vllm.connector",
             "kv_role": spec.get("kv_role", "kv_both"),
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": connector,

@@ -50,7 +50,7 @@ def engine_block_sizes(model: Path, asked: tuple[int, ...]) -> dict[int, int]:
         "for asked in map(int, sys.argv[2:]):\n"
         "    args = EngineArgs(model=sys.argv[1], block_size=asked, skip_tokenizer_init=True,\n"
         "        kv_transfer_config={'kv_connector': 'TesseraConnector',\n"
-        "            'kv_connector_module_path': 'tessera_ray.serve.connector',\n"
+        "            'kv_connector_module_path': 'tessera_ray.vllm.connector',\n"
         "            'kv_role': 'kv_both'})\n"
         "    print('SIZE', asked, args.create_engine_config().cache_config.block_size)\n"
     )

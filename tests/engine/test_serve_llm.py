@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tessera_ray.models.hf_tiny import TOKENIZER_WORDS, write_tiny_gqa
-from tessera_ray.serve.connector import TIER_TOKENS_PARAM
+from tessera_ray.vllm.connector import TIER_TOKENS_PARAM
 from tests.engine._harness import ROOT
 from tests.engine.conftest import run
 

@@ -19,12 +19,10 @@ from tessera_ray.actors.directory import LookupResult, Replica, Tier
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import DirectoryUnavailableError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.serve._connector_plan import (
-    SchedulerPlanner,
-    prompt_keys,
-)
 from tessera_ray.serve.router import TesseraRequestRouter, request_prompt
 from tessera_ray.serve.routing import RouteChoice, RouteReason
+from tessera_ray.vllm.keys import prompt_keys
+from tessera_ray.vllm.scheduler import SchedulerPlanner
 from tests.conftest import SimCluster
 
 LAYOUT = build_layout(MLAConfig(name="router-mla", num_layers=2, num_heads=4))
@@ -304,7 +302,7 @@ def test_the_deploy_example_routes_on_the_connectors_keys() -> None:
     import yaml
     from ray.serve.config import RequestRouterConfig
 
-    from tessera_ray.serve.connector import TesseraConnectorConfig
+    from tessera_ray.vllm.connector import TesseraConnectorConfig
 
     root = Path(__file__).resolve().parents[2]
     app = yaml.safe_load((root / "deploy" / "serve_llm_tessera.yaml").read_text())

@@ -98,7 +98,7 @@ def vllm_config(
     )
     transfer = KVTransferConfig(
         kv_connector="TesseraConnector",
-        kv_connector_module_path="tessera_ray.serve.connector",
+        kv_connector_module_path="tessera_ray.vllm.connector",
         kv_role=kv_role,  # type: ignore[arg-type]
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=extra,

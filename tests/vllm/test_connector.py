@@ -15,12 +15,12 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from tessera_ray.errors import LayoutError, TierConfigError
-from tessera_ray.serve._connector_plan import prompt_keys
-from tessera_ray.serve.connector import (
+from tessera_ray.vllm.connector import (
     TesseraConnector,
     TesseraConnectorConfig,
     TesseraConnectorMetadata,
 )
+from tessera_ray.vllm.keys import prompt_keys
 from tests.vllm._engine import BLOCK, LAYERS, Engine, fake_kv, vllm_config, write_model_dir
 
 _names = itertools.count()
@@ -361,7 +361,7 @@ def test_deploy_example_settings_are_valid() -> None:
     app = yaml.safe_load((root / "deploy" / "serve_llm_tessera.yaml").read_text())
     (llm,) = app["applications"][0]["args"]["llm_configs"]
     transfer = KVTransferConfig(**llm["engine_kwargs"]["kv_transfer_config"])
-    assert transfer.kv_connector_module_path == "tessera_ray.serve.connector"
+    assert transfer.kv_connector_module_path == "tessera_ray.vllm.connector"
     assert transfer.kv_load_failure_policy == "recompute"
     cfg = TesseraConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
     assert cfg.backend == "ray"
@@ -374,7 +374,7 @@ def test_a_tier_of_another_entry_with_the_same_bytes_is_refused() -> None:
     engine with one KV head of 288 values (K 288 + V 288 bf16) both hold 1,152 B per token, and
     a kv-fp16 tier holds as many bytes as a kv-bf16 engine; each pair is refused, naming both."""
     from tessera_ray.layout import FullAttentionConfig, MLAConfig, build_layout
-    from tessera_ray.serve._connector_vllm import _check_engine
+    from tessera_ray.vllm.adapter import _check_engine
 
     mla = build_layout(MLAConfig(name="t", num_layers=2, num_heads=4))
     full = FullAttentionConfig(name="e", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=288)

@@ -17,8 +17,9 @@ from tessera_ray.actors.messages import BlockCheck
 from tessera_ray.core import token_key
 from tessera_ray.errors import TenantError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.serve._connector_tier import RayTier, payload_block_hash
-from tessera_ray.serve.connector import TesseraConnectorConfig
+from tessera_ray.vllm.connector import TesseraConnectorConfig
+from tessera_ray.vllm.keys import payload_block_hash
+from tessera_ray.vllm.ray_tier import RayTier
 from tests.conftest import SimCluster
 
 pytestmark = pytest.mark.ray
@@ -53,7 +54,7 @@ def test_ray_backend_issues_credentials_from_the_secret_file(
     keys = [token_key(ns, LAYOUT.fingerprint, None, [i] * 64) for i in range(2)]
     rows = np.random.default_rng(0).integers(0, 256, (2, LAYOUT.block_bytes), dtype=np.uint8)
     tier.store(ns, keys, rows)
-    hashes = tier.lookup(ns, keys)
+    hashes = [h.block_hash if h is not None else None for h in tier.lookup(ns, keys)]
     assert hashes == [payload_block_hash(LAYOUT, ns, r) for r in rows]
     got = tier.read(ns, keys)
     assert all(g is not None for g in got)

@@ -1,9 +1,9 @@
 """The worker side of the vLLM connector: moving tier blocks between vLLM's paged cache and the
 tier, layer by layer (torch only, no vLLM import).
 
-vLLM's cache is one tensor per layer. Seen as tier rows (``_connector_planes``: per token, the
-MLA latent and RoPE key, or K then V of every head, wherever the kernels keep them), position
-``p`` of a request is a row that :class:`TokenRows` names; a tier block is the rows of its
+vLLM's cache is one tensor per layer. Seen as tier rows (:mod:`~tessera_ray.vllm.planes`: per
+token, the MLA latent and RoPE key, or K then V of every head, wherever the kernels keep them),
+position ``p`` of a request is a row that :class:`TokenRows` names; a tier block is the rows of its
 positions in every layer, in layer order. Rows move as raw bytes (a dtype view, never a
 conversion), so what is loaded is byte-identical to what was saved, and the engine's block size
 may differ from the tier's.
@@ -43,18 +43,14 @@ import torch
 
 from tessera_ray.actors.messages import BlockRead, BlockReads
 from tessera_ray.core.results import BlockHash, TokenKey
-from tessera_ray.errors import LayoutError
+from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
-from tessera_ray.serve._connector_plan import (
-    BlockLoad,
-    StepPlan,
-    TokenRows,
-    check_block_sizes,
-    check_paged_layout,
-)
-from tessera_ray.serve._connector_planes import LayerPlanes, mla_planes
-from tessera_ray.serve._connector_stats import ConnectorCounters
-from tessera_ray.serve._connector_tier import TierBackend, payload_block_hash
+from tessera_ray.vllm.backend import TierBackend
+from tessera_ray.vllm.keys import payload_block_hash
+from tessera_ray.vllm.planes import LayerPlanes, mla_planes
+from tessera_ray.vllm.records import BlockLoad, StepPlan, TokenRows
+from tessera_ray.vllm.scheduler import check_block_sizes, check_paged_layout
+from tessera_ray.vllm.stats import ConnectorCounters
 
 __all__ = ["WorkerMover", "LoadOutcome"]
 
@@ -129,6 +125,9 @@ class WorkerMover:
         self._save_slots = threading.BoundedSemaphore(max_pending_saves)
         self._done_lock = threading.Lock()
         self._done_saves: list[int] = []
+        self._store_error: Exception | None = None
+        """What the background store raised that is not the tier's failure, for the next
+        :meth:`finish` to raise on the engine's thread."""
         self._closed = False
         self._reset()
 
@@ -213,26 +212,26 @@ class WorkerMover:
         verified = 0
         for namespace, group in by_ns.items():
             keys = [k for load in group for k in load.token_keys]
+            hits = [h for load in group for h in load.hits]
             try:
-                reads = self.tier.read(namespace, keys)
-                if len(reads) != len(keys):
-                    raise ValueError(f"{len(reads)} blocks read for {len(keys)} keys")
-            except Exception as exc:  # the tier is down or slow: recompute, never fail
+                reads = self.tier.read(namespace, keys, hits)
+            except TierUnavailableError as exc:  # the tier is down or slow: recompute
+                self.counters.add(tier_failures=1)
                 log.warning("tier read of %d blocks failed: %s", len(keys), exc)
                 empty = np.empty((0, self.layout.block_bytes), dtype=np.uint8)
                 reads = BlockReads.of([None] * len(keys), empty)
+            if len(reads) != len(keys):
+                raise LayoutError(f"the tier read {len(reads)} blocks for {len(keys)} keys")
             arrays.append(reads.payloads)
             first = 0  # the load's first key among ``keys``
             for load in group:
                 # The load's verified leading tier blocks, as rows of all payloads read.
                 rows: list[int] = []
-                for j, (key, looked_up) in enumerate(
-                    zip(load.token_keys, load.block_hashes, strict=True)
-                ):
+                for j, (key, hit) in enumerate(zip(load.token_keys, load.hits, strict=True)):
                     block = reads[first + j]
                     if block is None:
                         break
-                    if not self._verified(namespace, block, looked_up, reads.verified):
+                    if not self._verified(namespace, block, hit.block_hash, reads.verified):
                         unverified.setdefault(namespace, []).append(key)
                         break
                     rows.append(held + reads.rows[first + j])
@@ -259,7 +258,8 @@ class WorkerMover:
         for namespace, keys in unverified.items():
             try:  # the tier drops what rotted in it, so the next save stores it afresh
                 self.tier.report_unverified(namespace, keys)
-            except Exception as exc:
+            except TierUnavailableError as exc:
+                self.counters.add(tier_failures=1)
                 log.warning("reporting %d unverified blocks failed: %s", len(keys), exc)
         return outcome
 
@@ -281,8 +281,9 @@ class WorkerMover:
         if self._outcome is None and self._pending is not None:
             try:
                 self._outcome = self._pending.result(self.timeout_s)
-            except Exception as exc:
-                log.warning("tier read did not finish: %s; recomputing its blocks", exc)
+            except TimeoutError:
+                self.counters.add(tier_failures=1)
+                log.warning("tier read took over %.1f s; recomputing its blocks", self.timeout_s)
                 self._outcome = self._all_failed()
         return self._outcome
 
@@ -351,6 +352,10 @@ class WorkerMover:
 
         Tier blocks of a request whose load failed this step are not stored: that request's
         tokens this step attended to blocks that were not there."""
+        with self._done_lock:
+            error, self._store_error = self._store_error, None
+        if error is not None:
+            raise error
         self._step(plan)
         if self._pending is not None:
             missed = [layer for layer in self._layers.values() if layer.index not in self._copied]
@@ -408,12 +413,16 @@ class WorkerMover:
                 try:
                     self.tier.store(namespace, keys, rows[idx].numpy())
                     stored += len(keys)
-                except Exception as exc:  # a save that fails is a later miss, never an error
+                except TierUnavailableError as exc:  # a save that fails is a later miss
+                    self.counters.add(tier_failures=1)
                     log.warning("tier store of %d blocks failed: %s", len(keys), exc)
             return stored
 
         try:
             self.counters.timed_store(store)
+        except Exception as exc:  # a bug: raised by the next step's hook, off this thread
+            with self._done_lock:
+                self._store_error = exc
         finally:
             self._save_slots.release()
             self._store_done(seq)

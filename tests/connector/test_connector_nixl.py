@@ -15,9 +15,10 @@ from tessera_ray.actors.client import TesseraClient
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig
 from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.serve._connector_tier import RayTier, payload_block_hash
-from tessera_ray.serve.connector import TesseraConnectorConfig
 from tessera_ray.transport import TransportConfig
+from tessera_ray.vllm.connector import TesseraConnectorConfig
+from tessera_ray.vllm.keys import payload_block_hash
+from tessera_ray.vllm.ray_tier import RayTier
 from tests.actors.test_cluster import _rot
 from tests.conftest import SimCluster
 

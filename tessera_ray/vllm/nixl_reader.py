@@ -18,9 +18,9 @@ from tessera_ray.actors.messages import BlockReads, PinTicket
 from tessera_ray.core import BlockPool, PoolConfig, content_seed
 from tessera_ray.core.results import BlockHash
 from tessera_ray.layout import ModelLayout
-from tessera_ray.serve._connector_plan import check_paged_layout
 from tessera_ray.transport import PeerInfo, TransportConfig
 from tessera_ray.transport.factory import make_transport
+from tessera_ray.vllm.scheduler import check_paged_layout
 
 __all__ = ["PoolReader"]
 
@@ -44,7 +44,6 @@ class PoolReader:
         self.transport.register(self.staging)
         self.transport.add_peers([peer])
         self.peer = peer.name
-        self.incarnation: int | None = None
 
     def fits(self, ticket: PinTicket) -> bool:
         return sum(b is not None for b in ticket.blocks) <= self.capacity_blocks
@@ -76,6 +75,13 @@ class PoolReader:
                 log.warning("a block read over NIXL does not match its seal; recomputing it")
         rows = self.staging.data[: n * per].view(n, per * self.staging.page_bytes).numpy()
         return BlockReads.of(hashes, rows if len(good) == n else rows[good], verified=True)
+
+    def repoint(self, peer: PeerInfo) -> None:
+        """The pool is a new process (a restart): read from its new agent from now on."""
+        if self.peer in self.transport.peers:
+            self.transport.remove_peers([self.peer])
+        self.transport.add_peers([peer])
+        self.peer = peer.name
 
     def close(self) -> None:
         self.transport.close()

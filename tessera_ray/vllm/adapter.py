@@ -3,7 +3,7 @@
 A thin adapter: it translates vLLM's objects (requests, block lists, scheduler output, cache
 tensors) into the plain calls of :class:`SchedulerPlanner` (scheduler side) and
 :class:`WorkerMover` (worker side), which hold the logic. Import it through
-:mod:`tessera_ray.serve.connector`, which loads this module only when vLLM asks for the class.
+:mod:`tessera_ray.vllm.connector`, which loads this module only when vLLM asks for the class.
 """
 
 from __future__ import annotations
@@ -32,25 +32,23 @@ from tessera_ray.layout import (
     Scheme,
     build_layout,
 )
-from tessera_ray.serve._connector_backends import planes_for
-from tessera_ray.serve._connector_config import TesseraConnectorConfig
-from tessera_ray.serve._connector_plan import (
+from tessera_ray.vllm.attention_backends import planes_for
+from tessera_ray.vllm.config import TesseraConnectorConfig
+from tessera_ray.vllm.records import CachedScheduled, NewScheduled, StepPlan
+from tessera_ray.vllm.scheduler import (
     TIER_TOKENS_PARAM,
-    CachedScheduled,
-    NewScheduled,
     SchedulerPlanner,
-    StepPlan,
     check_block_sizes,
     check_paged_layout,
 )
-from tessera_ray.serve._connector_stats import (
+from tessera_ray.vllm.stats import (
     ConnectorCounters,
     counted,
     reduce_counts,
     sum_counts,
 )
-from tessera_ray.serve._connector_tier import open_tier
-from tessera_ray.serve._connector_worker import WorkerMover
+from tessera_ray.vllm.tiers import open_tier
+from tessera_ray.vllm.worker import WorkerMover
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,8 +89,8 @@ class TesseraWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,unu
 
 @dataclass
 class TesseraConnectorStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
-    """The connector's counts over an interval (``_connector_stats``), as vLLM carries them
-    from the workers to its stat loggers."""
+    """The connector's counts over an interval (:mod:`~tessera_ray.vllm.stats`), as vLLM
+    carries them from the workers to its stat loggers."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -247,7 +245,7 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     """vLLM v1 KV connector over the tessera-ray tier (README, "vLLM connector").
 
     Enable with ``kv_transfer_config={"kv_connector": "TesseraConnector",
-    "kv_connector_module_path": "tessera_ray.serve.connector", "kv_role": "kv_both",
+    "kv_connector_module_path": "tessera_ray.vllm.connector", "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}``.
     """
 

@@ -13,6 +13,7 @@ speed varies far more than the connector costs.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -20,6 +21,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, TypeVar
 
 __all__ = ["ConnectorCounters", "counted", "reduce_counts", "sum_counts"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -46,6 +49,12 @@ class _Counts:
     store_cpu_s: float = 0.0
     """CPU time of the background store thread. Not a bound on what it costs the engine: the
     contention it causes for cores and the interpreter lock is not in it."""
+    tier_failures: int = 0
+    """Tier calls that failed as the tier fails in normal operation (a pool or shard down or
+    slow: :class:`~tessera_ray.errors.TierUnavailableError`); the blocks were recomputed."""
+    hook_errors: int = 0
+    """Other exceptions out of a connector hook (bugs): logged with their traceback and raised
+    on to vLLM."""
 
 
 COUNT_KEYS: tuple[str, ...] = tuple(f.name for f in fields(_Counts))
@@ -98,7 +107,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def counted(seconds: str, steps: str | None = None) -> Callable[[F], F]:
     """A connector hook whose wall time adds to ``seconds`` of ``self.counters`` (and each
-    call one to ``steps``)."""
+    call one to ``steps``). Hooks are the connector's outermost frames (vLLM calls them): an
+    exception leaving one is a bug (the tier's own failures are recomputed inside), so it is
+    counted and logged here, once with its traceback, and raised on as vLLM expects."""
     if seconds not in COUNT_KEYS or (steps is not None and steps not in COUNT_KEYS):
         raise ValueError(f"unknown connector count {seconds!r} or {steps!r}")
 
@@ -108,6 +119,10 @@ def counted(seconds: str, steps: str | None = None) -> Callable[[F], F]:
             t0 = time.perf_counter()
             try:
                 return hook(self, *args, **kwargs)
+            except Exception:
+                self.counters.add(hook_errors=1)
+                log.exception("tessera-ray connector hook %s failed", hook.__name__)
+                raise
             finally:
                 self.counters.add_time(seconds, time.perf_counter() - t0, steps)
 
@@ -142,4 +157,6 @@ def reduce_counts(data: Mapping[str, float]) -> dict[str, int | float]:
         "saved_blocks": int(saved),
         "store_ms_per_block": per(data.get("store_s", 0.0), saved, 1e3),
         "store_cpu_s": round(data.get("store_cpu_s", 0.0), 4),
+        "tier_failures": int(data.get("tier_failures", 0)),
+        "hook_errors": int(data.get("hook_errors", 0)),
     }

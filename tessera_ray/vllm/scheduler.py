@@ -14,8 +14,9 @@ itself writes nor one vLLM already holds (its own prefix-cache blocks may be sha
 requests).
 
 Token keys follow vLLM's block hashing inputs, and a request's ``cache_salt`` picks its tenant
-namespace (``_connector_keys``). The records a step exchanges live in ``_connector_records``,
-the per-request state in ``_connector_requests``; both are re-exported here.
+namespace (:mod:`~tessera_ray.vllm.keys`). The records a step exchanges live in
+:mod:`~tessera_ray.vllm.records`, the per-request state in
+:mod:`~tessera_ray.vllm.request_state`.
 
 The scheduler thread never waits on the tier for long: a lookup runs in the background and
 :meth:`SchedulerPlanner.matched_tokens` answers ``None`` ("ask again next step") until it is
@@ -36,17 +37,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tessera_ray.core import token_key
-from tessera_ray.core.results import BlockHash, TokenKey
-from tessera_ray.errors import LayoutError
+from tessera_ray.core.results import TokenKey
+from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
-from tessera_ray.serve._connector_keys import (
+from tessera_ray.vllm.backend import TierHit
+from tessera_ray.vllm.keys import (
     ExtraKeysFn,
     key_fingerprint,
     no_extra_keys,
-    prompt_keys,
     tenant_namespace,
 )
-from tessera_ray.serve._connector_records import (
+from tessera_ray.vllm.records import (
     BlockLoad,
     BlockSave,
     CachedScheduled,
@@ -54,32 +55,16 @@ from tessera_ray.serve._connector_records import (
     StepPlan,
     TokenRows,
 )
-from tessera_ray.serve._connector_requests import (
+from tessera_ray.vllm.request_state import (
     LookupMatch,
     PendingLookup,
     RequestLike,
     TierLookup,
     TrackedRequest,
 )
-from tessera_ray.serve._connector_stats import ConnectorCounters
+from tessera_ray.vllm.stats import ConnectorCounters
 
-# The records and key functions moved out of this module stay importable from it.
-__all__ = [
-    "BlockLoad",
-    "BlockSave",
-    "TokenRows",
-    "StepPlan",
-    "NewScheduled",
-    "CachedScheduled",
-    "SchedulerPlanner",
-    "ExtraKeysFn",
-    "tenant_namespace",
-    "key_fingerprint",
-    "prompt_keys",
-    "check_paged_layout",
-    "check_block_sizes",
-    "TIER_TOKENS_PARAM",
-]
+__all__ = ["SchedulerPlanner", "check_paged_layout", "check_block_sizes", "TIER_TOKENS_PARAM"]
 
 TIER_TOKENS_PARAM = "tessera_tier_tokens"
 """The key of a finished request's ``kv_transfer_params`` (the OpenAI response's field of that
@@ -228,8 +213,8 @@ class SchedulerPlanner:
         if pending is None or pending.first != first or pending.keys != keys:
             try:
                 future = self.tier.lookup_async(tracked.namespace, keys)
-            except Exception as exc:  # a tier that is down is a miss, never a failed request
-                log.warning("tier lookup failed, treating as a miss: %s", exc)
+            except TierUnavailableError as exc:  # a tier that is down is a miss
+                self._tier_failed(exc)
                 return 0
             pending = tracked.lookup = PendingLookup(first, keys, future, self._clock())
         try:
@@ -240,26 +225,31 @@ class SchedulerPlanner:
                 return None
             pending.future.cancel()
             tracked.lookup = None
+            self.counters.add(tier_failures=1)
             log.warning("tier lookup took over %.1f s, treating as a miss", self.lookup_timeout_s)
             return 0
-        except Exception as exc:
+        except TierUnavailableError as exc:
             tracked.lookup = None
-            log.warning("tier lookup failed, treating as a miss: %s", exc)
+            self._tier_failed(exc)
             return 0
         tracked.lookup = None
-        hashes: list[BlockHash] = []
-        for h in found:
-            if h is None:
+        hits: list[TierHit] = []
+        for hit in found:
+            if hit is None:
                 break
-            hashes.append(h)
-        if self._still_storing(keys, len(hashes)):
+            hits.append(hit)
+        if self._still_storing(keys, len(hits)):
             tracked.relook_s = self._clock() + _RELOOK_S
             self.counters.add(store_waits=1)
             return None
-        if not hashes:
+        if not hits:
             return 0
-        tracked.match = LookupMatch(num_computed_tokens, first, keys[: len(hashes)], hashes)
-        return (first + len(hashes)) * bs - num_computed_tokens
+        tracked.match = LookupMatch(num_computed_tokens, first, keys[: len(hits)], hits)
+        return (first + len(hits)) * bs - num_computed_tokens
+
+    def _tier_failed(self, exc: TierUnavailableError) -> None:
+        self.counters.add(tier_failures=1)
+        log.warning("tier lookup failed, treating as a miss: %s", exc)
 
     def _still_storing(self, keys: Sequence[TokenKey], found: int) -> bool:
         """Whether the first of ``keys`` the tier did not hold (``keys[found]``) is one this
@@ -313,7 +303,7 @@ class SchedulerPlanner:
             request.request_id,
             tracked.namespace,
             tuple(match.keys[:n]),
-            tuple(match.hashes[:n]),
+            tuple(match.hits[:n]),
             match.first * bs,
             rows,
         )

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tessera_ray.serve._connector_stats import (
+from tessera_ray.vllm.stats import (
     ConnectorCounters,
     counted,
     reduce_counts,

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tessera_ray.core.results import BlockHash, TokenKey
-from tessera_ray.serve._connector_records import BlockLoad, TokenRows
+from tessera_ray.core.results import TokenKey
+from tessera_ray.vllm.backend import TierHit
+from tessera_ray.vllm.records import BlockLoad, TokenRows
 
 __all__ = [
     "LookupFuture",
@@ -22,7 +23,7 @@ __all__ = [
     "TrackedRequest",
 ]
 
-LookupFuture = concurrent.futures.Future[list[BlockHash | None]]
+LookupFuture = concurrent.futures.Future[list[TierHit | None]]
 
 
 class RequestLike(Protocol):
@@ -63,7 +64,7 @@ class LookupMatch:
     computed: int
     first: int
     keys: list[TokenKey]
-    hashes: list[BlockHash]
+    hits: list[TierHit]
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.core.results import TokenKey
+from tessera_ray.vllm.backend import TierHit
 
 __all__ = [
     "TokenRows",
@@ -68,14 +69,15 @@ class TokenRows:
 class BlockLoad:
     """Tier blocks of one request to load this step: the tier blocks under ``token_keys``
     cover positions from ``tier_position`` on, ``len(token_keys)`` tier blocks long; only the
-    positions of ``rows`` are written into vLLM's cache. ``block_hashes[i]`` is the hash the
-    scheduler's lookup saw (the load verifies the bytes against the hash the pool returns with
-    them)."""
+    positions of ``rows`` are written into vLLM's cache. ``hits[i]`` is what the scheduler's
+    lookup found under ``token_keys[i]``: the holders the worker pulls it from (it does not ask
+    the directory again), and the hash seen (the load verifies the bytes against the hash the
+    pool returns with them)."""
 
     req_id: str
     namespace: str
     token_keys: tuple[TokenKey, ...]
-    block_hashes: tuple[BlockHash, ...]
+    hits: tuple[TierHit, ...]
     tier_position: int
     rows: TokenRows
 

@@ -17,18 +17,14 @@ import torch
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.serve import connector
-from tessera_ray.serve._connector_plan import (
-    BlockLoad,
-    CachedScheduled,
-    NewScheduled,
-    SchedulerPlanner,
-    StepPlan,
-    TokenRows,
-)
-from tessera_ray.serve._connector_tier import LocalTier, payload_block_hash
-from tessera_ray.serve._connector_worker import WorkerMover
-from tessera_ray.serve.connector import TesseraConnectorConfig, tenant_namespace
+from tessera_ray.vllm import connector
+from tessera_ray.vllm.backend import TierHit
+from tessera_ray.vllm.connector import TesseraConnectorConfig, tenant_namespace
+from tessera_ray.vllm.keys import payload_block_hash
+from tessera_ray.vllm.records import BlockLoad, CachedScheduled, NewScheduled, StepPlan, TokenRows
+from tessera_ray.vllm.scheduler import SchedulerPlanner
+from tessera_ray.vllm.tiers import LocalTier
+from tessera_ray.vllm.worker import WorkerMover
 
 LAYOUT = build_layout(MLAConfig(name="tiny-mla-connector", num_layers=2, num_heads=4))
 
@@ -92,14 +88,15 @@ class _Tier:
         self.held: dict[tuple[str, TokenKey], BlockHash] = {}
         self.calls = 0
         self.hold = False
-        self.pending: list[tuple[concurrent.futures.Future[Any], list[BlockHash | None]]] = []
+        self.pending: list[tuple[concurrent.futures.Future[Any], list[TierHit | None]]] = []
 
     def lookup_async(
         self, namespace: str, keys: Sequence[TokenKey]
-    ) -> concurrent.futures.Future[list[BlockHash | None]]:
+    ) -> concurrent.futures.Future[list[TierHit | None]]:
         self.calls += 1
-        future: concurrent.futures.Future[list[BlockHash | None]] = concurrent.futures.Future()
-        answer = [self.held.get((namespace, k)) for k in keys]
+        future: concurrent.futures.Future[list[TierHit | None]] = concurrent.futures.Future()
+        found = [self.held.get((namespace, k)) for k in keys]
+        answer = [TierHit(h) if h is not None else None for h in found]
         if self.hold:
             self.pending.append((future, answer))
         else:
@@ -360,9 +357,10 @@ def test_load_verification_hash_is_the_pools_block_hash() -> None:
     rows = np.random.default_rng(0).integers(0, 256, (2, LAYOUT.block_bytes), dtype=np.uint8)
     keys = [TokenKey(bytes([i]) * 32) for i in range(2)]
     tier.store("ns", keys, rows)
-    hashes = tier.lookup("ns", keys)
+    hits = tier.lookup("ns", keys)
+    hashes = [h.block_hash if h is not None else None for h in hits]
     assert hashes == [payload_block_hash(LAYOUT, "ns", row) for row in rows]
-    read = tier.read("ns", keys)
+    read = tier.read("ns", keys, [h for h in hits if h is not None])
     assert all(
         r is not None and np.array_equal(r.payload, w) and r.block_hash == h
         for r, w, h in zip(read, rows, hashes, strict=True)
@@ -404,7 +402,7 @@ def _run_step(mover: WorkerMover, caches: dict[str, torch.Tensor], plan: StepPla
 
 def _load(keys: Sequence[TokenKey], hashes: Sequence[BlockHash], ids: Sequence[int]) -> BlockLoad:
     rows = TokenRows(tuple(ids), 0, 0, 64 * len(keys))
-    return BlockLoad("r", "ns", tuple(keys), tuple(hashes), 0, rows)
+    return BlockLoad("r", "ns", tuple(keys), tuple(TierHit(h) for h in hashes), 0, rows)
 
 
 @pytest.mark.parametrize("engine_tokens", [16, 64, 128])
@@ -426,15 +424,15 @@ def test_rows_saved_from_one_engine_load_into_another_byte_for_byte(engine_token
     plan = planner.build([NewScheduled("a", a_ids, 0, 200)], [])
     assert _run_step(writer, a, plan) == set()
     (save,) = plan.saves
-    hashes = tier.lookup("app", list(save.token_keys))
-    assert all(h is not None for h in hashes)
+    hits = tier.lookup("app", list(save.token_keys))
+    assert all(h is not None for h in hits)
 
     reader, b = _mover(tier, 40, engine_tokens)
     for kv in b.values():
         kv.fill_(7.0)  # what vLLM wrote; untouched outside the loaded positions
     b_ids = [3 + 4 * i for i in range(n)]
     rows = TokenRows(tuple(b_ids[: -(-150 // engine_tokens)]), 0, 0, 150)
-    load = BlockLoad("b", "app", save.token_keys, tuple(h for h in hashes if h), 0, rows)
+    load = BlockLoad("b", "app", save.token_keys, tuple(h for h in hits if h), 0, rows)
     assert _run_step(reader, b, StepPlan(loads=(load,))) == set()
     saved, loaded = writer.counters.take(), reader.counters.take()
     assert saved is not None and loaded is not None
@@ -484,7 +482,7 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     seen_by_lookup = payload_block_hash(LAYOUT, "ns", other)  # what another pool sealed
     hashes = tier.lookup("ns", keys)
     assert hashes[1] is not None
-    load = _load(keys, (seen_by_lookup, hashes[1]), (2, 0))
+    load = _load(keys, (seen_by_lookup, hashes[1].block_hash), (2, 0))
     mover, caches = _mover(tier, 3)
     assert _run_step(mover, caches, StepPlan(loads=(load,))) == set()
     for name, kv in caches.items():
@@ -513,3 +511,13 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     tier.store("ns", keys[:1], rows[:1])
     mover, caches = _mover(tier, 3)
     assert _run_step(mover, caches, StepPlan(loads=(load,))) == set()
+
+
+def test_the_old_module_path_still_loads_the_connector_with_a_warning() -> None:
+    import sys
+
+    sys.modules.pop("tessera_ray.serve.connector", None)
+    with pytest.warns(DeprecationWarning, match="tessera_ray.vllm.connector"):
+        old = importlib.import_module("tessera_ray.serve.connector")
+    assert old.TesseraConnectorConfig is TesseraConnectorConfig
+    assert set(old.__all__) == set(connector.__all__)

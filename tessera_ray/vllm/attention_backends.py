@@ -1,6 +1,6 @@
-"""Which planes (``_connector_planes``) a vLLM attention backend's cache is read through (imports
-vLLM): MLA caches are token rows on every backend; full-attention caches keep K and V by
-backend, and on vLLM's CPU build by the instruction set its kernels were built for
+"""Which planes (:mod:`~tessera_ray.vllm.planes`) a vLLM attention backend's cache is read
+through (imports vLLM): MLA caches are token rows on every backend; full-attention caches keep
+K and V by backend, and on vLLM's CPU build by the instruction set its kernels were built for
 (docs/full-attention-caches.md).
 
 A packing the connector was not written for is refused at start, never guessed: on the CPU
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessera_ray.errors import LayoutError
-from tessera_ray.serve._connector_planes import PLANE_BUILDERS, LayerPlanes, mla_planes
+from tessera_ray.vllm.planes import PLANE_BUILDERS, LayerPlanes, mla_planes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tessera_ray.errors import LayoutError
-from tessera_ray.serve._connector_planes import PLANE_BUILDERS, mla_planes
+from tessera_ray.vllm.planes import PLANE_BUILDERS, mla_planes
 
 B, H, N, D = 3, 2, 32, 32
 

@@ -1,0 +1,126 @@
+"""What the vLLM connector needs of the tier: one batched interface (:class:`TierBackend`), the
+record a lookup answers per block (:class:`TierHit`), and the one failure type a backend raises
+when the tier cannot answer (:class:`~tessera_ray.errors.TierUnavailableError`).
+
+The scheduler's lookup learns where each block is held; that answer rides in the step's plan to
+the worker, whose read pulls the blocks from those holders without asking the directory again.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from tessera_ray.actors.directory import Holder, LookupResult
+from tessera_ray.actors.messages import BlockCheck, BlockReads
+from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.errors import (
+    LeaseError,
+    PoolExhaustedError,
+    StorageError,
+    TierUnavailableError,
+    TransportError,
+)
+from tessera_ray.layout import ModelLayout
+
+__all__ = [
+    "TierBackend",
+    "TierHit",
+    "TierUnavailableError",
+    "hit_of",
+    "tier_call",
+    "TIER_FAILURES",
+]
+
+TIER_FAILURES: tuple[type[BaseException], ...] = (
+    ConnectionError,  # a pool, a shard or a channel that did not answer
+    TimeoutError,
+    TransportError,  # a transfer that failed or did not verify
+    LeaseError,  # a reservation or pin that expired meanwhile
+    PoolExhaustedError,  # no room to store or pull into right now
+    StorageError,  # the disk tier below refused
+)
+"""What the tier does in normal operation when it cannot serve a call: the connector
+recomputes. Anything else out of a backend is a bug."""
+
+
+@contextlib.contextmanager
+def tier_call(what: str) -> Iterator[None]:
+    """Turn the tier's expected failures inside into one :class:`TierUnavailableError`."""
+    try:
+        yield
+    except TierUnavailableError:
+        raise
+    except TIER_FAILURES as exc:
+        raise TierUnavailableError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+class TierHit(NamedTuple):
+    """A block the tier holds under a token key: the hash it was sealed under, and its holders,
+    memory copies first (empty where the backend is one process and needs none)."""
+
+    block_hash: BlockHash
+    holders: tuple[Holder, ...] = ()
+
+
+def hit_of(result: LookupResult) -> TierHit:
+    """A directory answer as the connector carries it (pool and tier per replica, no slots)."""
+    return TierHit(result.block_hash, Holder.of(result))
+
+
+class TierBackend(abc.ABC):
+    """What the connector needs of the tier; every method is one batched call.
+
+    Every method raises :class:`~tessera_ray.errors.TierUnavailableError` when the tier cannot
+    answer (the caller recomputes); any other exception is a bug and is not caught as one."""
+
+    layout: ModelLayout
+    """The layout the tier stores pages in (token keys and hashes carry its fingerprint)."""
+    timeout_s: float
+    """Longest one batched call may take."""
+
+    @abc.abstractmethod
+    def lookup_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[list[TierHit | None]]:
+        """Start one batched lookup: per key, what the tier holds under it and where, or
+        ``None`` (a miss). Returns at once; the scheduler waits on the future briefly."""
+
+    def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[TierHit | None]:
+        """:meth:`lookup_async`, waited for."""
+        with tier_call("tier lookup"):
+            return self.lookup_async(namespace, keys).result(self.timeout_s)
+
+    def prepare_reads(self) -> None:  # noqa: B027 - optional hook, nothing to set up here
+        """Set up what reads need, once, where reads happen (the worker); optional."""
+
+    def release_reads(self) -> None:  # noqa: B027 - optional hook, nothing to release here
+        """Release what :meth:`prepare_reads` set up (the worker shuts down)."""
+
+    @abc.abstractmethod
+    def read(
+        self,
+        namespace: str,
+        keys: Sequence[TokenKey],
+        hits: Sequence[TierHit] | None = None,
+    ) -> BlockReads:
+        """Per key, the block's payload (uint8 ``[block_bytes]``) with the hash the pool
+        sealed it under, or nothing when the tier no longer holds it (evicted since the
+        lookup, owner gone). ``hits``: what the scheduler's lookup found for ``keys`` (the
+        holders to pull from); ``None`` reads what the reader's own pool holds. Not verified
+        here."""
+
+    @abc.abstractmethod
+    def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
+        """The blocks under ``keys`` came back with bytes that do not match their hash: the
+        tier checks its own copies and drops the ones that rotted, so the next save of those
+        keys stores them afresh instead of every later request recomputing them."""
+
+    @abc.abstractmethod
+    def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
+        """Store ``payloads[i]`` (uint8 ``[len(keys), block_bytes]``) under ``keys[i]``."""
