@@ -13,7 +13,7 @@ from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.vllm.records import NewScheduled
 from tessera_ray.vllm.scheduler import SchedulerPlanner
 from tests.benchmarks.contract import ROOT
-from tests.serve.test_connector_config import _Request, _Tier
+from tests.connector.test_connector_config import _Request, _Tier
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_engine
