@@ -36,48 +36,25 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tessera_ray.actors.messages import BlockRead, BlockReads
-from tessera_ray.core.results import BlockHash, TokenKey
+from tessera_ray.actors.messages import BlockReads
+from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.vllm.backend import TierBackend
-from tessera_ray.vllm.keys import payload_block_hash
+from tessera_ray.vllm.loads import LoadOutcome, LoadRun, verified_block
 from tessera_ray.vllm.planes import LayerPlanes, mla_planes
 from tessera_ray.vllm.records import BlockLoad, StepPlan, TokenRows
 from tessera_ray.vllm.scheduler import check_block_sizes, check_paged_layout
 from tessera_ray.vllm.stats import ConnectorCounters
 
-__all__ = ["WorkerMover", "LoadOutcome"]
+__all__ = ["WorkerMover"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Run:
-    """One load's verified positions: tier blocks ``blocks`` (rows of the staged payloads, in
-    order) hold positions from ``skip`` rows into the first of them, written to ``rows``."""
-
-    blocks: torch.Tensor
-    skip: int
-    rows: TokenRows
-
-
-@dataclass(slots=True)
-class LoadOutcome:
-    """A step's verified tier blocks (staged rows), where their positions go, and what
-    failed."""
-
-    rows: torch.Tensor | None = None
-    """uint8 ``[tier blocks read, block_bytes]``: the payloads as read (the rows a run names
-    are verified; the others are never copied)."""
-    runs: list[_Run] = field(default_factory=list)
-    failed_blocks: set[int] = field(default_factory=set)
-    failed_requests: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -231,7 +208,9 @@ class WorkerMover:
                     block = reads[first + j]
                     if block is None:
                         break
-                    if not self._verified(namespace, block, hit.block_hash, reads.verified):
+                    if not verified_block(
+                        self.layout, namespace, block, hit.block_hash, reads.verified
+                    ):
                         unverified.setdefault(namespace, []).append(key)
                         break
                     rows.append(held + reads.rows[first + j])
@@ -242,7 +221,7 @@ class WorkerMover:
                     skip = load.rows.start - load.tier_position
                     used = rows[: -(-(end - load.tier_position) // t)]
                     to = dataclasses.replace(load.rows, stop=end)
-                    outcome.runs.append(_Run(torch.tensor(used, dtype=torch.long), skip, to))
+                    outcome.runs.append(LoadRun(torch.tensor(used, dtype=torch.long), skip, to))
                 if end < load.rows.stop:
                     # This tier block and every later one of the request: vLLM recomputes
                     # from the first failed engine block, so later ones would be overwritten.
@@ -262,20 +241,6 @@ class WorkerMover:
                 self.counters.add(tier_failures=1)
                 log.warning("reporting %d unverified blocks failed: %s", len(keys), exc)
         return outcome
-
-    def _verified(
-        self, namespace: str, block: BlockRead, looked_up: BlockHash, checked: bool
-    ) -> bool:
-        row = block.payload
-        if row.dtype != np.uint8 or row.size != self.layout.block_bytes:
-            log.warning("tier block of %d bytes, expected %d", row.size, self.layout.block_bytes)
-            return False
-        if not checked and payload_block_hash(self.layout, namespace, row) != block.block_hash:
-            log.warning("tier block failed verification against its sealed hash; recomputing")
-            return False
-        if block.block_hash != looked_up:
-            log.debug("the pool holds other valid bytes under this key than the lookup saw")
-        return True
 
     def _loaded(self) -> LoadOutcome | None:
         if self._outcome is None and self._pending is not None:
