@@ -43,7 +43,8 @@ class TierLookup(Protocol):
     """What the planner needs of the tier (a :class:`TierBackend` has it)."""
 
     def lookup_async(self, namespace: str, keys: Sequence[TokenKey]) -> LookupFuture:
-        """Start one batched lookup; the future gives, per key, the block hash or ``None``."""
+        """Start one batched lookup; the future gives, per key, what the tier holds and where
+        (a :class:`~tessera_ray.vllm.backend.TierHit`) or ``None``."""
         ...
 
 
