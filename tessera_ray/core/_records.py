@@ -24,6 +24,12 @@ class PageRecord:
     """Bookkeeping of one page slot. ``prev``/``next`` link it into exactly one of the pool's
     intrusive lists (free pages on the free list, unreferenced sealed pages on the LRU) or into
     none (referenced pages); a page is never on both, so one pair of links serves both lists.
+
+    One record, several owners, each writing only its own fields (a record per part would cost
+    the per-page bytes this layout saves): the page table (``core/_pages.py``) writes the life
+    of the page (``generation``, ``refcount``, ``state``, ``namespace``, ``digest``) and, through
+    its lists, ``prev``/``next``; the block index (``core/_blocks.py``) writes ``blocks``. The
+    dedup index only reads ``namespace`` and ``digest``, which the table sets as it seals.
     """
 
     index: int

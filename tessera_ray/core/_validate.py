@@ -1,4 +1,4 @@
-"""Input checks for page writes, made before the pool changes anything."""
+"""Input checks for handles, page writes and blocks, made before the pool changes anything."""
 
 from __future__ import annotations
 
@@ -6,20 +6,30 @@ from collections.abc import Sequence
 
 import torch
 
-from tessera_ray.core._records import FREE, PageRecord
+from tessera_ray.core._records import FREE, SEALED, PageRecord
 from tessera_ray.core._views import region_columns, region_dtype
+from tessera_ray.core.hashing import TOKEN_KEY_BYTES
 from tessera_ray.core.results import PageHandle
 from tessera_ray.errors import (
     ForgedHandleError,
     PageBoundsError,
     PageDTypeError,
+    PageNotSealedError,
     PageShapeError,
     StaleHandleError,
     UnknownNameError,
 )
 from tessera_ray.layout import PageSpec, Region
 
-__all__ = ["check_handle", "check_raw_write", "check_region_write"]
+__all__ = [
+    "check_handle",
+    "check_raw_write",
+    "check_page_rows",
+    "check_region_write",
+    "check_block_size",
+    "check_token_key",
+    "check_sealed_under",
+]
 
 
 def check_raw_write(data: object, offset: int, page_bytes: int) -> torch.Tensor:
@@ -35,6 +45,39 @@ def check_raw_write(data: object, offset: int, page_bytes: int) -> torch.Tensor:
             f"{data.numel()} B at offset {offset} runs past the {page_bytes} B page"
         )
     return data
+
+
+def check_page_rows(data: object, pages: int, page_bytes: int) -> None:
+    """``data`` must be ``uint8 [pages, page_bytes]``: whole pages, one row each."""
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+        raise PageDTypeError("write_many takes a uint8 tensor [pages, page_bytes]")
+    if tuple(data.shape) != (pages, page_bytes):
+        raise PageShapeError(
+            f"write_many of {pages} pages takes [{pages}, {page_bytes}], got {tuple(data.shape)}"
+        )
+
+
+def check_block_size(handles: Sequence[object], layers_per_block: int) -> None:
+    """A block is one page per layer of its group."""
+    if len(handles) != layers_per_block:
+        raise PageShapeError(
+            f"a block has {layers_per_block} pages (one per layer), got {len(handles)}"
+        )
+
+
+def check_token_key(token_key: object) -> None:
+    """A token key, when given, is the ``TOKEN_KEY_BYTES`` bytes :func:`token_key` makes."""
+    if token_key is not None and (
+        not isinstance(token_key, bytes) or len(token_key) != TOKEN_KEY_BYTES
+    ):
+        raise PageShapeError(f"a token key is {TOKEN_KEY_BYTES} bytes (see token_key())")
+
+
+def check_sealed_under(recs: Sequence[PageRecord], ns: int, namespace: str) -> None:
+    """Every page of ``recs`` is sealed under namespace id ``ns`` (named ``namespace``)."""
+    for r in recs:
+        if r.state != SEALED or r.namespace != ns:
+            raise PageNotSealedError(f"page {r.index} is not sealed under {namespace!r}")
 
 
 def check_region_write(spec: PageSpec, region: str, data: object, start_entry: int) -> Region:

@@ -21,18 +21,23 @@ import itertools
 from collections.abc import Sequence
 
 import torch
-import xxhash
 
-from tessera_ray.core import _evict, _refs, _register, _seal, _write
 from tessera_ray.core._blocks import BlockIndex
+from tessera_ray.core._bytes import copy_rows
 from tessera_ray.core._dedup import DedupIndex
-from tessera_ray.core._records import FREE, SEALED, PageList, PageRecord
-from tessera_ray.core._staging import DeviceHasher
-from tessera_ray.core._storage import page_storage
-from tessera_ray.core._validate import check_handle
-from tessera_ray.core._views import flashmla_view, region_views
+from tessera_ray.core._pages import PageTable
+from tessera_ray.core._records import SEALED, PageRecord
+from tessera_ray.core._storage import PageMemory
+from tessera_ray.core._validate import (
+    check_block_size,
+    check_page_rows,
+    check_raw_write,
+    check_region_write,
+    check_sealed_under,
+    check_token_key,
+)
 from tessera_ray.core.config import PoolConfig
-from tessera_ray.core.hashing import ContentHashFn, xxh3_128
+from tessera_ray.core.hashing import ContentHashFn, block_hash, xxh3_128
 from tessera_ray.core.results import (
     BlockHash,
     BlockSealResult,
@@ -45,13 +50,11 @@ from tessera_ray.core.results import (
     TokenKey,
 )
 from tessera_ray.errors import (
-    PageDTypeError,
     PageNotFreeableError,
     PageNotSealedError,
     PageSealedError,
     PageShapeError,
     PoolConfigError,
-    UnknownNameError,
 )
 from tessera_ray.layout import LayerGroup, ModelLayout, PageSpec
 
@@ -66,6 +69,11 @@ class BlockPool:
 
     A block is the ``layers_per_block`` pages (one per layer of the group) of one token block;
     its hash digests its pages' content hashes in layer order, and token keys name blocks.
+
+    Made of parts that each own their state and change it only through their own methods: page
+    memory (bytes, hashing), page table (records, free list, LRU, references), dedup index
+    (namespaces, sealed pages by hash, the sealing decision), block index (blocks, token keys).
+    The pool checks input and joins the parts for calls that span them (eviction, blocks).
     """
 
     def __init__(
@@ -87,29 +95,13 @@ class BlockPool:
         self.layers_per_block = layers_per_block
         self.page_bytes = page.page_bytes
         self.region = next(_REGION_IDS)
-        # The default hash is called straight from the C extension: one Python frame less per
-        # page is a measurable share of sealing (see bench_pool.py).
-        self._hash: ContentHashFn = (
-            xxhash.xxh3_128_intdigest if content_hash is xxh3_128 else content_hash
-        )
         self.content_hash_fn = content_hash
         """The content hash this pool seals with (readers verify fetched pages with it)."""
-        self.data, self._host = page_storage(config, self.page_bytes)
-        self._hasher: DeviceHasher | None = None
-        self._num_pages = config.num_pages
-        self._records = [PageRecord(index=i) for i in range(config.num_pages)]
-        self._free = PageList()
-        self._lru = PageList()
-        for rec in self._records:
-            self._free.push_back(rec)
-        self._dedup = DedupIndex(fingerprint)
-        self._block_index = BlockIndex()
-        self._views: dict[str, torch.Tensor] | None = None
-        self._sealed = 0
-        self._shared = 0
-        self._dedup_hits = 0
-        self._collisions = 0
-        self._evictions = 0
+        self._memory = PageMemory(page, config, content_hash)
+        self.data = self._memory.data
+        self._pages = PageTable(self.data, self.region, scrub=config.scrub_freed_pages)
+        self._dedup = DedupIndex(fingerprint, self._pages, self._memory)
+        self._blocks = BlockIndex()
 
     @classmethod
     def for_group(
@@ -132,39 +124,24 @@ class BlockPool:
 
     # ----------------------------------------------------------------- handles and views
 
-    def _handle(self, rec: PageRecord) -> PageHandle:
-        pb = self.page_bytes
-        return PageHandle(self.region, rec.index * pb, pb, rec.generation)
-
-    def _resolve(self, handle: PageHandle) -> PageRecord:
-        """O(1): check every field of ``handle`` against the slot table."""
-        # Fast path for a valid handle; anything unusual goes to the checks that say why.
-        if type(handle) is PageHandle and handle.region == self.region:
-            index, rem = divmod(handle.offset, self.page_bytes)
-            if not rem and 0 <= index < self._num_pages and handle.length == self.page_bytes:
-                rec = self._records[index]
-                if rec.generation == handle.generation and rec.state != FREE:
-                    return rec
-        return check_handle(handle, self.region, self.page_bytes, self._records)
-
     def slot(self, handle: PageHandle) -> PageIndex:
         """The page's row in the pool tensor (what a kernel's block table holds)."""
-        return PageIndex(self._resolve(handle).index)
+        return PageIndex(self._pages.resolve(handle).index)
 
     def read(self, handle: PageHandle) -> torch.Tensor:
         """A copy of the page's bytes (``uint8 [page_bytes]``, on the pool's device)."""
-        return self.data[self._resolve(handle).index].clone()
+        return self.data[self._pages.resolve(handle).index].clone()
 
     def read_bytes(self, handle: PageHandle) -> bytes:
-        return self._page_buffer(self._resolve(handle).index).tobytes()
+        return self._memory.buffer(self._pages.resolve(handle).index).tobytes()
 
     def is_sealed(self, handle: PageHandle) -> bool:
-        return self._resolve(handle).state == SEALED
+        return self._pages.resolve(handle).state == SEALED
 
     def writable_slots(self, handles: Sequence[PageHandle]) -> list[int]:
         """The rows of distinct writable pages ``handles`` (slots a caller reserved, checked in
         one pass); raises :class:`PageSealedError` if one is sealed."""
-        recs = self._distinct(handles)
+        recs = self._pages.distinct(handles)
         for r in recs:
             if r.state == SEALED:
                 raise PageSealedError(f"page {r.index} is sealed; reserve writable pages")
@@ -172,7 +149,7 @@ class BlockPool:
 
     def content_hash_of(self, handle: PageHandle) -> ContentHash:
         """The content hash a sealed page was sealed with (what a reader verifies after a copy)."""
-        rec = self._resolve(handle)
+        rec = self._pages.resolve(handle)
         if rec.state != SEALED:
             raise PageNotSealedError(f"page {rec.index} is not sealed; it has no content hash yet")
         return ContentHash(rec.digest)
@@ -180,32 +157,21 @@ class BlockPool:
     def verify(self, handle: PageHandle) -> bool:
         """Whether a sealed page's bytes still hash to the digest it was sealed with (memory
         is trusted between checks; a consumer that saw bad bytes asks the pool to look)."""
-        rec = self._resolve(handle)
+        rec = self._pages.resolve(handle)
         if rec.state != SEALED:
             raise PageNotSealedError(f"page {rec.index} is not sealed; it has no content hash yet")
-        seed = self._dedup.seeds[rec.namespace]
-        return bool(self._hash(self._page_buffer(rec.index), seed) == rec.digest)
+        return self._dedup.verify(rec)
 
     def refcount(self, handle: PageHandle) -> int:
-        return self._resolve(handle).refcount
+        return self._pages.resolve(handle).refcount
 
     def region_view(self, region: str) -> torch.Tensor:
         """Typed zero-copy view ``[num_pages, entries_per_page, columns]`` of one region."""
-        if self._views is None:
-            self._views = region_views(self.data, self.page_spec)
-        try:
-            return self._views[region]
-        except KeyError:
-            raise UnknownNameError(
-                f"no region {region!r}; this page has {', '.join(self._views)}"
-            ) from None
+        return self._memory.region_view(region)
 
     def flashmla_view(self) -> torch.Tensor:
         """FlashMLA's ``[num_pages, block_tokens, 1, 576]`` bf16 view (mla-bf16 pages only)."""
-        try:
-            return flashmla_view(self.data, self.page_spec)
-        except ValueError as e:
-            raise PageDTypeError(str(e)) from None
+        return self._memory.flashmla_view()
 
     # ----------------------------------------------------------------- allocate / write
 
@@ -215,7 +181,7 @@ class BlockPool:
 
     def allocate_many(self, n: int) -> list[PageHandle]:
         """``n`` writable pages, all or none."""
-        return _refs.allocate(self, n)
+        return self._pages.allocate(n)
 
     def write(self, handle: PageHandle, data: torch.Tensor, *, offset: int = 0) -> PageHandle:
         """Copy ``data`` (``uint8``, 1-D) into the page at byte ``offset``.
@@ -223,7 +189,11 @@ class BlockPool:
         Writing to a sealed page forks it (copy-on-write): the caller's reference moves to a
         fresh private copy, whose handle is returned; every other holder keeps the old bytes.
         """
-        return _write.write(self, handle, data, offset)
+        rec = self._pages.resolve(handle)
+        check_raw_write(data, offset, self.page_bytes)
+        target = self._pages.writable(rec)
+        self.data[target.index, offset : offset + data.numel()].copy_(data)
+        return handle if target is rec else self._pages.handle(target)
 
     def write_many(self, handles: Sequence[PageHandle], data: torch.Tensor) -> list[PageHandle]:
         """Write whole pages: ``data[i]`` (``uint8 [n, page_bytes]``) into ``handles[i]``.
@@ -231,37 +201,32 @@ class BlockPool:
         Copy-on-write as :meth:`write`; returns the handles to use from now on. All checks,
         including enough free pages for the forks, happen before any byte moves.
         """
-        return _write.write_many(self, handles, data)
-
-    def _distinct(self, handles: Sequence[PageHandle]) -> list[PageRecord]:
-        recs = [self._resolve(h) for h in handles]
-        if len({r.index for r in recs}) != len(recs):
-            raise PageShapeError("the same page is named twice in one call")
-        return recs
+        recs = self._pages.distinct(handles)
+        check_page_rows(data, len(recs), self.page_bytes)
+        targets = self._pages.writable_many(recs)
+        copy_rows(self.data, [r.index for r in targets], data)
+        handle = self._pages.handle
+        return [h if t is r else handle(t) for h, r, t in zip(handles, recs, targets, strict=True)]
 
     def write_region(
         self, handle: PageHandle, region: str, data: torch.Tensor, *, start_entry: int = 0
     ) -> PageHandle:
         """Write entries ``start_entry ..`` of one region: ``data`` is ``[n, columns]`` of the
         region's dtype (see :meth:`region_view`). Copy-on-write as :meth:`write`."""
-        return _write.write_region(self, handle, region, data, start_entry)
+        rec = self._pages.resolve(handle)
+        check_region_write(self.page_spec, region, data, start_entry)
+        target = self._pages.writable(rec)
+        end = start_entry + data.shape[0]
+        self._memory.region_view(region)[target.index, start_entry:end].copy_(data)
+        return handle if target is rec else self._pages.handle(target)
 
     def fork(self, handle: PageHandle) -> PageHandle:
         """A new private writable copy of a page; the source and its references are untouched."""
-        return _write.fork(self, handle)
+        src = self._pages.resolve(handle)
+        self._pages.need_free(1)
+        return self._pages.handle(self._pages.fork(src))
 
     # ----------------------------------------------------------------- seal / dedup
-
-    def _page_buffer(self, index: int) -> memoryview:
-        if self._host is not None:
-            pb = self.page_bytes
-            return self._host[index * pb : (index + 1) * pb]
-        return self.data[index].cpu().numpy().data
-
-    def _device_hasher(self) -> DeviceHasher:
-        if self._hasher is None:
-            self._hasher = DeviceHasher(self.data, self._hash)
-        return self._hasher
 
     def seal(self, handle: PageHandle, namespace: str) -> SealResult:
         """Make a writable page immutable under ``namespace``, sharing an equal page if any.
@@ -270,21 +235,21 @@ class BlockPool:
         bytes. Equal: take a reference on the stored page and free the candidate. None equal:
         install the candidate, counting a collision if the hash had matched.
         """
-        rec = self._resolve(handle)
+        rec = self._pages.resolve(handle)
         if rec.state == SEALED:
             raise PageSealedError(f"page {rec.index} is already sealed")
-        return _seal.seal_page(self, rec, self._dedup.namespace(namespace), handle)
+        return self._dedup.seal_page(rec, namespace, handle)
 
     def seal_many(self, handles: Sequence[PageHandle], namespace: str) -> list[SealResult]:
         """:meth:`seal` for many pages, all checked before any is sealed."""
-        return _seal.seal_many(self, handles, namespace)
+        return self._dedup.seal_many(self._pages.unsealed(handles), handles, namespace)
 
     def hash_pages(self, slots: Sequence[int], seed: int) -> list[int]:
         """Content hashes, keyed by ``seed`` (:func:`content_seed`), of the bytes now in pages
         ``slots``, whatever their state. Reads page memory only, so a transport may call it on
         its own thread for slots it just wrote and nobody else touches (their bytes are then
         hashed while the copy left them in the CPU's cache)."""
-        return _seal.hash_pages(self, slots, seed)
+        return self._memory.hash_rows(slots, seed)
 
     def seal_verified(
         self,
@@ -303,25 +268,31 @@ class BlockPool:
         :class:`SealResult` or ``None``, and the positions that did not match (the caller
         releases those pages).
         """
-        return _seal.seal_verified(self, handles, namespace, expected, digests)
+        if len(expected) != len(handles):
+            raise PageShapeError(f"{len(expected)} expected hashes for {len(handles)} pages")
+        if digests is not None and len(digests) != len(handles):
+            raise PageShapeError(f"{len(digests)} digests for {len(handles)} pages")
+        recs = self._pages.unsealed(handles)
+        return self._dedup.seal_verified(recs, handles, namespace, expected, digests)
 
     def share(self, handle: PageHandle) -> PageHandle:
         """Take one more reference on a sealed page (taking it off the LRU if unreferenced)."""
-        rec = self._resolve(handle)
+        rec = self._pages.resolve(handle)
         if rec.state != SEALED:
             raise PageNotSealedError(f"page {rec.index} is writable; seal it before sharing")
-        _refs.incref(self, rec)
+        self._pages.incref(rec)
         return handle
 
     def release(self, handle: PageHandle) -> None:
         """Drop one reference. A writable page is freed; a sealed one goes to the LRU at 0."""
-        rec = self._resolve(handle)
+        rec = self._pages.resolve(handle)
         if rec.refcount == 0:
             raise PageNotFreeableError(f"page {rec.index} holds no reference to release")
-        _refs.decref(self, rec)
+        self._pages.decref(rec)
 
     def release_many(self, handles: Sequence[PageHandle]) -> None:
-        _refs.release_all(self, [self._resolve(h) for h in handles])
+        resolve = self._pages.resolve
+        self._pages.release_all([resolve(h) for h in handles])
 
     # ----------------------------------------------------------------- blocks / token keys
 
@@ -330,24 +301,32 @@ class BlockPool:
     ) -> BlockSealResult:
         """Seal the layer pages of one token block (layer order) and register the block,
         under ``token_key`` if given. A live token key is never redirected."""
-        return _register.seal_block(self, handles, namespace, token_key)
+        check_block_size(handles, self.layers_per_block)
+        check_token_key(token_key)
+        results = tuple(self.seal_many(handles, namespace))
+        ns = self._dedup.known(namespace)
+        pages = [self._pages.resolve(res.handle) for res in results]
+        bh = block_hash([res.content_hash for res in results], self._dedup.seed(ns))
+        return BlockSealResult(bh, results, self._blocks.register(ns, bh, pages, token_key))
 
     def register_block(
         self, handles: Sequence[PageHandle], namespace: str, token_key: TokenKey
     ) -> bool:
         """Name already-sealed pages of ``namespace`` as one block under ``token_key``.
         False when the key already names a different live block (first registration wins)."""
-        return _register.register_block(self, handles, namespace, token_key)
+        check_block_size(handles, self.layers_per_block)
+        # Not distinct: two layers of a block may hold one deduplicated page, as in seal_block.
+        recs = [self._pages.resolve(h) for h in handles]
+        check_token_key(token_key)
+        ns = self._dedup.known(namespace)
+        check_sealed_under(recs, ns, namespace)
+        bh = block_hash([ContentHash(r.digest) for r in recs], self._dedup.seed(ns))
+        return self._blocks.register(ns, bh, recs, token_key)
 
     def lookup(self, namespace: str, token_key: TokenKey) -> tuple[PageHandle, ...] | None:
         """The block's page handles, with one reference taken on each; ``None`` on a miss."""
-        block = self._block_index.find(self._dedup.known(namespace), token_key)
-        if block is None:
-            return None
-        for r in block.pages:
-            assert r.state == SEALED
-            _refs.incref(self, r)
-        return tuple(self._handle(r) for r in block.pages)
+        block = self._blocks.find(self._dedup.known(namespace), token_key)
+        return None if block is None else self._pages.share(block.pages)
 
     def lookup_many(
         self, namespace: str, token_keys: Sequence[TokenKey]
@@ -355,11 +334,11 @@ class BlockPool:
         return [self.lookup(namespace, k) for k in token_keys]
 
     def contains(self, namespace: str, token_key: TokenKey) -> bool:
-        return self._block_index.find(self._dedup.known(namespace), token_key) is not None
+        return self._blocks.find(self._dedup.known(namespace), token_key) is not None
 
     def block_hash_of(self, namespace: str, token_key: TokenKey) -> BlockHash | None:
         """The block hash ``token_key`` maps to (what the cluster directory indexes)."""
-        block = self._block_index.find(self._dedup.known(namespace), token_key)
+        block = self._blocks.find(self._dedup.known(namespace), token_key)
         return None if block is None else BlockHash(block.block_hash)
 
     # ----------------------------------------------------------------- eviction
@@ -370,14 +349,20 @@ class BlockPool:
         Returns what left (with a copy of the bytes for the tier below). Blocks that named an
         evicted page are dropped with their token keys. Referenced pages are never evicted.
         """
-        return _evict.evict(self, max_pages, copy_data)
+        if max_pages < 0:
+            raise PoolConfigError(f"cannot evict {max_pages} pages")
+        return [self._evict_page(rec, copy_data) for rec in self._pages.pop_oldest(max_pages)]
 
     def evict_unnamed(self, max_pages: int) -> int:
         """Evict up to ``max_pages`` unreferenced sealed pages that belong to no block, oldest
         first; returns how many left. Such pages are sealed but unreachable by any token key
         (a block dropped with a shared page, a fetch that failed part-way, a key registered
         first elsewhere), so freeing them loses nothing a lookup could find."""
-        return _evict.evict_unnamed(self, max_pages)
+        orphans = self._blocks.unnamed(self._pages.evictable(), max_pages)
+        self._pages.take_from_lru(orphans)
+        for rec in orphans:
+            self._evict_page(rec, copy_data=False)
+        return len(orphans)
 
     def evict_block(
         self, namespace: str, token_key: TokenKey, *, copy_data: bool = True
@@ -391,7 +376,14 @@ class BlockPool:
         one block never takes another with it. Returns the pages that left, or ``None`` (and
         changes nothing) when the key names no block or any of its pages is referenced.
         """
-        return _evict.evict_block(self, namespace, token_key, copy_data)
+        block = self._blocks.find(self._dedup.known(namespace), token_key)
+        if block is None or any(r.refcount for r in block.pages):
+            return None
+        victims = self._blocks.only_in(block)
+        self._pages.take_from_lru(victims)
+        out = [self._evict_page(rec, copy_data) for rec in victims]
+        self._blocks.drop_block(block)  # when every page was shared, it is still named
+        return out
 
     def evictable_blocks(self, limit: int) -> list[tuple[str, TokenKey]]:
         """Up to ``limit`` ``(namespace, token key)`` pairs of unreferenced blocks, oldest first.
@@ -402,37 +394,54 @@ class BlockPool:
         the LRU's front first meets one of its pages, with all of its token keys; blocks with
         a referenced page are skipped (they cannot be evicted).
         """
-        return _evict.evictable_blocks(self, limit)
+        if limit < 0:
+            raise PoolConfigError(f"cannot list {limit} evictable blocks")
+        return self._blocks.evictable(self._pages.evictable(), limit, self._dedup.names)
 
     def touch_block(self, namespace: str, token_key: TokenKey) -> bool:
         """Record a use of the block without taking a reference: its unreferenced pages move
         to the young end of the LRU (in page order), so a block that is read (probed, copied
         out to a peer) is not evicted as if idle. Returns whether the key names a block."""
-        return _evict.touch_block(self, namespace, token_key)
+        block = self._blocks.find(self._dedup.known(namespace), token_key)
+        if block is None:
+            return False
+        self._pages.touch(block.pages)
+        return True
+
+    def _evict_page(self, rec: PageRecord, copy_data: bool) -> EvictedPage:
+        """Evict one unreferenced sealed page already taken off the LRU: each index forgets
+        it, then its slot returns to the free list."""
+        data = self._memory.buffer(rec.index).tobytes() if copy_data else None
+        namespace = self._dedup.remove(rec)
+        evicted = EvictedPage(namespace, ContentHash(rec.digest), PageIndex(rec.index), data)
+        self._blocks.drop_page(rec)
+        self._pages.free_evicted(rec)
+        return evicted
 
     # ----------------------------------------------------------------- stats / checks
 
     def stats(self) -> PoolStats:
-        total, free = len(self._records), len(self._free)
+        pages, total, free = self._pages, self._pages.num_pages, self._pages.num_free
         return PoolStats(
             page_bytes=self.page_bytes,
             pages_total=total,
             pages_free=free,
             pages_used=total - free,
-            pages_sealed=self._sealed,
-            pages_shared=self._shared,
-            pages_evictable=len(self._lru),
-            blocks=len(self._block_index.blocks),
-            token_keys=len(self._block_index.token_keys),
-            dedup_hits=self._dedup_hits,
-            bytes_saved_by_dedup=self._dedup_hits * self.page_bytes,
-            collisions=self._collisions,
-            evictions=self._evictions,
+            pages_sealed=pages.sealed,
+            pages_shared=pages.shared,
+            pages_evictable=pages.num_evictable,
+            blocks=self._blocks.num_blocks,
+            token_keys=self._blocks.num_token_keys,
+            dedup_hits=self._dedup.hits,
+            bytes_saved_by_dedup=self._dedup.hits * self.page_bytes,
+            collisions=self._dedup.collisions,
+            evictions=pages.evictions,
         )
 
     def check_consistency(self) -> None:
         """Walk every structure and raise ``AssertionError`` on any broken invariant (an
-        offline check in the spirit of fsck; O(pages))."""
-        from tessera_ray.core._check import check_pool
-
-        check_pool(self)
+        offline check in the spirit of fsck; O(pages)): each part checks its own state, the
+        indexes also against the pages."""
+        self._pages.check()
+        self._dedup.check([r for r in self._pages if r.state == SEALED])
+        self._blocks.check(self._pages)

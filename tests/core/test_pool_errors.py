@@ -45,7 +45,7 @@ def pool_with_handles() -> tuple[BlockPool, dict[str, object]]:
 
 
 def snapshot(pool: BlockPool) -> tuple[object, ...]:
-    refs = tuple((r.state, r.refcount, r.generation) for r in pool._records)
+    refs = tuple((r.state, r.refcount, r.generation) for r in pool._pages)  # slot order
     return pool.stats(), pool.data.clone(), refs
 
 

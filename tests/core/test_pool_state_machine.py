@@ -205,8 +205,9 @@ class PoolMachine(RuleBasedStateMachine):
         assert s.pages_used == len(self.model.pages)
         assert s.pages_evictable == len(self.model.lru)
         assert s.token_keys == len(self.model.keys)
+        records = list(self.pool._pages)  # the page table's records, in slot order
         for slot, page in self.model.pages.items():
-            rec = self.pool._records[slot]
+            rec = records[slot]
             assert rec.refcount == page.refcount
             # A sealed page's bytes never change; a writable page holds what was written.
             assert self.pool.data[slot].numpy().tobytes() == bytes(page.data)

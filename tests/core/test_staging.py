@@ -18,7 +18,7 @@ NUM = 2 * CHUNK_PAGES + 7  # two full chunks, a partial one, both buffers reused
 def _pool(as_device: bool) -> BlockPool:
     pool = BlockPool.for_group(LAYOUT, 0, PoolConfig(num_pages=NUM, pin_memory=False))
     if as_device:
-        pool._host = None  # what a CUDA pool has: no in-place host view of its pages
+        pool._memory.host = None  # what a CUDA pool has: no in-place host view of its pages
     return pool
 
 
