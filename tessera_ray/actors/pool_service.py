@@ -244,7 +244,7 @@ class PoolService:
         for i, key in enumerate(token_keys):
             handles = taken.get(i) or self.groups.reference(namespace, key)
             if handles is None:
-                bh = self.groups.hashes.pop((namespace, key), None)
+                bh = self.groups.forget(namespace, key)
                 if bh is not None:  # dropped with another key naming the same pages
                     vanished.append((namespace, bh))
                 blocks.append(None)
@@ -255,7 +255,7 @@ class PoolService:
         return self._ticket(namespace, held, blocks, lease)
 
     def unpin(self, pin_id: int) -> bool:
-        lease = self.leases.pins.pop(pin_id, None)
+        lease = self.leases.unpin(pin_id)
         if lease is None:
             return False
         self.writer.release(lease)
@@ -300,7 +300,7 @@ class PoolService:
                 out.append(BlockCheck.IN_USE)
             else:
                 self.rotten += 1
-                bh = self.groups.hashes.pop((namespace, key), None)
+                bh = self.groups.forget(namespace, key)
                 if bh is not None:
                     dropped.append((namespace, bh))
                 out.append(BlockCheck.DROPPED)
@@ -309,7 +309,7 @@ class PoolService:
 
     def read_pinned(self, pin_id: int) -> np.ndarray:
         """The pinned blocks' payloads, ``[blocks held, block_bytes]`` (the object-store path)."""
-        lease = self.leases.pins.get(pin_id)
+        lease = self.leases.pinned(pin_id)
         if lease is None:
             raise LeaseError(f"pin {pin_id} is unknown or expired; pin again")
         return self.groups.gather(lease.handles)
