@@ -16,6 +16,9 @@ lists in, aligned lists out. The service is a facade; each job is a collaborator
   first; the last copy of a block goes to the disk tier instead of vanishing; on restart the
   disk tier is reopened and announced again.
 
+What a caller in another process reaches are the verbs of
+:class:`~tessera_ray.actors.pool_api.PoolApi`, under the same parameter names; those that never
+wait are plain methods here, for in-process callers that must not yield (see that module).
 Every wall-clock deadline uses ``clock`` (injectable for tests). Methods check their input
 before changing anything.
 """
@@ -260,6 +263,11 @@ class PoolService:
             return False
         self.writer.release(lease)
         return True
+
+    async def read(self, access: Access, token_keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
+        """Per key, the block's bytes, or ``None`` (:meth:`read_blocks` without the hashes)."""
+        blocks = await self.read_blocks(access, token_keys)
+        return [b.payload if b is not None else None for b in blocks]
 
     async def read_blocks(self, access: Access, token_keys: Sequence[TokenKey]) -> BlockReads:
         """Per key, the block's bytes and hash (restored from disk if need be), or nothing
