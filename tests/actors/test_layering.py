@@ -13,10 +13,10 @@ SHELLS = {
     # The boundary: actor names, handles, and typed calls that turn an unreachable actor into
     # one error; every call the actors, the client and the Serve gateway make goes through it.
     "actors/_ray_handles.py",
-    # Ray actor classes and what starts them.
+    # Ray actor classes and what starts them (the client calls through these two modules).
     "actors/pool_actor.py",
     "actors/directory_actor.py",
-    "actors/client.py",
+    "actors/deploy.py",
     "_cli_tier.py",
     # Ray Serve deployments and their router, and the demo that runs them.
     "serve/app.py",
@@ -53,7 +53,9 @@ def test_plain_classes_load_without_ray() -> None:
     assert_loads_without(
         (
             "tessera_ray.actors.pool_service",
+            "tessera_ray.actors.pool_api",
             "tessera_ray.actors.directory",
+            "tessera_ray.actors.links",
             "tessera_ray.actors.fetcher",
         ),
         ("ray",),
