@@ -1,8 +1,8 @@
 """Where the client's pools go, worked out without Ray: the pools to start on each node, and
 the node a process descends from.
 
-Kept apart from :mod:`~tessera_ray.actors.client` so these load and test without Ray; the client
-passes in what Ray told it (the alive nodes, the name prefix) and starts the actors itself.
+Kept apart from :mod:`~tessera_ray.actors.deploy` so these load and test without Ray; it passes
+in what Ray told it (the alive nodes, the name prefix) and starts the actors itself.
 """
 
 from __future__ import annotations

@@ -278,7 +278,8 @@ class LayerGroups:
 
     def take_out(self, namespace: str, key: TokenKey) -> bytes | None:
         """The block's payload, and its eviction from memory; ``None`` (nothing changed) when
-        it is referenced or already gone. The block's hash entry is the caller's to drop."""
+        it is referenced or already gone. Its hash entry stays until :meth:`forget` (the
+        caller announces the block gone under that hash)."""
         per_group = [pool.lookup(namespace, key) for pool in self.pools]
         try:
             if any(h is None for h in per_group):
@@ -300,6 +301,12 @@ class LayerGroups:
                 assert g == 0, "block referenced in one layer group but not in another"
                 return False
         return True
+
+    def forget(self, namespace: str, key: TokenKey) -> BlockHash | None:
+        """Drop the hash entry of a block whose pages left memory (evicted, dropped, or found
+        gone by a reader); the hash it had, to withdraw its replica from the directory, or
+        ``None`` when the entry was already gone."""
+        return self.hashes.pop((namespace, key), None)
 
     def stats(self) -> GroupStats:
         stats = [p.stats() for p in self.pools]

@@ -23,7 +23,10 @@ class Lease:
 class LeaseTable:
     """Open reservations (slots for a store or a fetch) and pins (blocks held for a reader),
     under ids that are capabilities: whoever holds one may commit or read it, so ids are
-    unguessable rather than sequential, and unique across both tables."""
+    unguessable rather than sequential, and unique across both tables.
+
+    The table only records leases: whoever takes one out (:meth:`take_reservation`,
+    :meth:`unpin`, :meth:`expired`, :meth:`drain`) releases its references."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
@@ -47,6 +50,23 @@ class LeaseTable:
         lease_id = self._new_id()
         lease = self.pins[lease_id] = Lease(handles, self._clock() + lease_s, namespace)
         return lease_id, lease
+
+    def reservation(self, reservation_id: int) -> Lease | None:
+        """The open reservation ``reservation_id``, left in the table (``None``: unknown)."""
+        return self.reservations.get(reservation_id)
+
+    def take_reservation(self, reservation_id: int) -> Lease | None:
+        """The reservation, taken out of the table (committed, aborted or taken over);
+        ``None`` when it is unknown or already expired."""
+        return self.reservations.pop(reservation_id, None)
+
+    def pinned(self, pin_id: int) -> Lease | None:
+        """The live pin ``pin_id``, left in the table (``None``: unknown or expired)."""
+        return self.pins.get(pin_id)
+
+    def unpin(self, pin_id: int) -> Lease | None:
+        """The pin, taken out of the table; ``None`` when it is unknown or already expired."""
+        return self.pins.pop(pin_id, None)
 
     def expired(self) -> list[Lease]:
         """Every lease past its deadline, taken out of the tables (the caller releases them)."""

@@ -119,7 +119,9 @@ class ActorCache:
 
 
 class PoolRef:
-    """A pool actor, as its callers see it: typed methods, one error when it is unreachable."""
+    """A pool actor, as its callers see it: the verbs of
+    :class:`~tessera_ray.actors.pool_api.PoolApi` (same signatures, a test checks), the shell's
+    own calls, and one error when it is unreachable."""
 
     def __init__(self, actors: ActorCache, name: str) -> None:
         self.actors = actors
@@ -131,57 +133,88 @@ class PoolRef:
             self.name, what, method, args, timeout_s, PoolUnavailableError
         )
 
-    async def reserve(self, num_blocks: int) -> Reservation:
-        return cast(Reservation, await self._call("reserve", num_blocks))
+    # ------------------------------------------------------------------ PoolApi
+
+    async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Reservation:
+        return cast(Reservation, await self._call("reserve", num_blocks, lease_s))
 
     async def commit(
-        self, reservation_id: int, access: Access, keys: list[TokenKey], payloads: np.ndarray
+        self,
+        reservation_id: int,
+        access: Access,
+        token_keys: Sequence[TokenKey],
+        payloads: np.ndarray | torch.Tensor,
     ) -> list[StoredBlock]:
-        return cast(
-            list[StoredBlock], await self._call("commit", reservation_id, access, keys, payloads)
-        )
+        args = (reservation_id, access, list(token_keys), payloads)
+        return cast(list[StoredBlock], await self._call("commit", *args))
 
     async def abort(self, reservation_id: int) -> None:
         await self._call("abort", reservation_id, timeout_s=CALL_TIMEOUT_S)
 
     async def contains(
-        self, access: Access, keys: list[TokenKey], touch: bool = False
+        self, access: Access, token_keys: Sequence[TokenKey], touch: bool = False
     ) -> list[Tier | None]:
-        return cast(list[Tier | None], await self._call("contains", access, keys, touch))
+        found = await self._call("contains", access, list(token_keys), touch)
+        return cast(list[Tier | None], found)
 
-    async def fetch_from(
-        self, owner: str, access: Access, keys: list[TokenKey]
-    ) -> list[BlockFailure | None]:
-        return cast(list[BlockFailure | None], await self._call("fetch_from", owner, access, keys))
+    async def pin(
+        self,
+        access: Access,
+        token_keys: Sequence[TokenKey],
+        lease_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> PinTicket:
+        ticket = await self._call("pin", access, list(token_keys), lease_s, timeout_s=timeout_s)
+        return cast(PinTicket, ticket)
+
+    async def unpin(self, pin_id: int) -> bool:
+        return cast(bool, await self._call("unpin", pin_id, timeout_s=CALL_TIMEOUT_S))
+
+    async def read_pinned(self, pin_id: int, timeout_s: float | None = None) -> np.ndarray:
+        return cast(np.ndarray, await self._call("read_pinned", pin_id, timeout_s=timeout_s))
+
+    async def read(self, access: Access, token_keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
+        return cast(list[np.ndarray | None], await self._call("read", access, list(token_keys)))
+
+    async def read_blocks(self, access: Access, token_keys: Sequence[TokenKey]) -> BlockReads:
+        return cast(BlockReads, await self._call("read_blocks", access, list(token_keys)))
+
+    async def check_blocks(
+        self, access: Access, token_keys: Sequence[TokenKey]
+    ) -> list[BlockCheck]:
+        found = await self._call("check_blocks", access, list(token_keys))
+        return cast(list[BlockCheck], found)
 
     async def attend(
         self,
         access: Access,
-        keys: list[TokenKey],
-        positions: list[int],
+        token_keys: Sequence[TokenKey],
+        positions: Sequence[int],
         layer: int,
         q: torch.Tensor,
         seqlen: int,
         softmax_scale: float,
-        causal: bool,
+        causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        args = (access, keys, positions, layer, q, seqlen, softmax_scale, causal)
+        args = (access, list(token_keys), list(positions), layer, q, seqlen, softmax_scale, causal)
         return cast(tuple[torch.Tensor, torch.Tensor, list[int]], await self._call("attend", *args))
-
-    async def read(self, access: Access, keys: list[TokenKey]) -> list[np.ndarray | None]:
-        return cast(list[np.ndarray | None], await self._call("read", access, keys))
-
-    async def read_blocks(self, access: Access, keys: list[TokenKey]) -> BlockReads:
-        return cast(BlockReads, await self._call("read_blocks", access, keys))
-
-    async def check_blocks(self, access: Access, keys: list[TokenKey]) -> list[BlockCheck]:
-        return cast(list[BlockCheck], await self._call("check_blocks", access, keys))
 
     async def evict(self, num_blocks: int) -> EvictionReport:
         return cast(EvictionReport, await self._call("evict", num_blocks))
 
-    async def unpin(self, pin_id: int) -> bool:
-        return cast(bool, await self._call("unpin", pin_id, timeout_s=CALL_TIMEOUT_S))
+    async def inventory(self) -> list[Registration]:
+        return cast(list[Registration], await self._call("inventory", timeout_s=CALL_TIMEOUT_S))
+
+    async def status(self, timeout_s: float = CALL_TIMEOUT_S) -> PoolStatus:
+        return cast(PoolStatus, await self._call("status", timeout_s=timeout_s))
+
+    # ------------------------------------------------------------------ the shell's own
+
+    async def fetch_from(
+        self, owner: str, access: Access, token_keys: Sequence[TokenKey]
+    ) -> list[BlockFailure | None]:
+        found = await self._call("fetch_from", owner, access, list(token_keys))
+        return cast(list[BlockFailure | None], found)
 
     def unpin_soon(self, pin_id: int) -> None:
         """Send an unpin without waiting for it (its answer changes nothing for the caller)."""
@@ -190,26 +223,14 @@ class PoolRef:
         except UNREACHABLE:
             self.actors.forget(self.name)
 
-    async def read_pinned(self, pin_id: int, timeout_s: float) -> np.ndarray:
-        return cast(np.ndarray, await self._call("read_pinned", pin_id, timeout_s=timeout_s))
-
     async def channel(self) -> ChannelAddress | None:
         return cast(ChannelAddress | None, await self._call("channel", timeout_s=CALL_TIMEOUT_S))
-
-    async def pin(self, access: Access, keys: list[TokenKey], timeout_s: float | None) -> PinTicket:
-        return cast(PinTicket, await self._call("pin", access, keys, timeout_s=timeout_s))
-
-    async def inventory(self) -> list[Registration]:
-        return cast(list[Registration], await self._call("inventory", timeout_s=CALL_TIMEOUT_S))
 
     async def peer_info(self, timeout_s: float = CALL_TIMEOUT_S) -> PeerInfo | None:
         return cast(PeerInfo | None, await self._call("peer_info", timeout_s=timeout_s))
 
     async def health(self, timeout_s: float) -> bool:
         return cast(bool, await self._call("health", timeout_s=timeout_s))
-
-    async def status(self, timeout_s: float = CALL_TIMEOUT_S) -> PoolStatus:
-        return cast(PoolStatus, await self._call("status", timeout_s=timeout_s))
 
     def describe_now(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
         """The pool's layout, settings and shard count, blocking (:meth:`ActorCache.call_now`)."""
@@ -236,14 +257,14 @@ class ShardRef:
         return await self.actors.call(self.name, what, method, args, timeout_s, unavailable)
 
     async def lookup(
-        self, access: Access, keys: list[TokenKey], timeout_s: float = CALL_TIMEOUT_S
+        self, access: Access, token_keys: Sequence[TokenKey], timeout_s: float = CALL_TIMEOUT_S
     ) -> list[LookupResult | None]:
-        return cast(
-            list[LookupResult | None], await self._call("lookup", access, keys, timeout_s=timeout_s)
-        )
+        found = await self._call("lookup", access, list(token_keys), timeout_s=timeout_s)
+        return cast(list[LookupResult | None], found)
 
-    async def register(self, entries: Registrations) -> None:
-        await self._call("register", entries, timeout_s=CALL_TIMEOUT_S)
+    async def register(self, entries: Sequence[Registration]) -> None:
+        # As flat columns: a batch pickles as a few lists, not one tuple per entry.
+        await self._call("register", Registrations(entries), timeout_s=CALL_TIMEOUT_S)
 
     async def drop_replicas(
         self, pool: str, blocks: Sequence[tuple[str, BlockHash]], tier: Tier | None

@@ -110,7 +110,9 @@ class Spiller:
             payload = self.groups.take_out(ns, TokenKey(key))
             if payload is None:
                 continue
-            bh = self.groups.hashes.pop((ns, key))
+            bh = self.groups.forget(ns, TokenKey(key))
+            if bh is None:  # already forgotten (and withdrawn) by whoever dropped it
+                continue
             if (ns, key) in durable:
                 dropped.append(BlockRef(ns, TokenKey(key), bh))
             else:

@@ -94,7 +94,7 @@ class BlockWriter:
         return Reservation(rid, self.pool, num_blocks, taken.expires_at_s)
 
     def abort(self, reservation_id: int) -> None:
-        lease = self.leases.reservations.pop(reservation_id, None)
+        lease = self.leases.take_reservation(reservation_id)
         if lease is not None:
             self.release(lease)
 
@@ -103,7 +103,7 @@ class BlockWriter:
         ``None`` when it expired or is too small."""
         if reservation is None or reservation.num_blocks < num_blocks:
             return None
-        lease = self.leases.reservations.pop(reservation.id, None)
+        lease = self.leases.take_reservation(reservation.id)
         if lease is not None:
             self.release(Lease(lease.handles[num_blocks:], 0.0))
             lease.handles = lease.handles[:num_blocks]
@@ -142,7 +142,7 @@ class BlockWriter:
     ) -> list[StoredBlock]:
         """Write, seal, name and announce the reserved blocks; unused slots are returned."""
         self.reap()
-        lease = self.leases.reservations.get(reservation_id)
+        lease = self.leases.reservation(reservation_id)
         if lease is None:
             raise LeaseError(
                 f"reservation {reservation_id} is unknown or expired (its slots were returned); "
@@ -154,7 +154,9 @@ class BlockWriter:
                 f"{len(token_keys)} blocks for a reservation of {len(lease.handles)}"
             )
         rows = self.payload_rows(payloads, len(token_keys))
-        del self.leases.reservations[reservation_id]
+        # Taken out only once the input is known good: a refused commit leaves the
+        # reservation open, to be committed again or aborted.
+        self.leases.take_reservation(reservation_id)
         stored = [
             self.groups.seal(namespace, key, lease.handles[i], rows[i])
             for i, key in enumerate(token_keys)

@@ -1,31 +1,27 @@
-"""The client of the tier, and where its Ray actors are started and found.
+"""The client of the tier: handles to its actors and the data path (store, lookup, fetch,
+attend, read). Every call is batched: one directory round trip per shard per request.
 
-:class:`TesseraClient` starts or connects to the tier; store, lookup, fetch, status. Every call
-is batched: one directory round trip per shard per request. The actor shells it starts live
-beside it: :class:`~tessera_ray.actors.pool_actor.PoolActor` and
-:class:`~tessera_ray.actors.directory_actor.DirectoryActor` (re-exported here). These three
-modules, with ``_ray_handles`` (the typed calls they all make), are the ones of ``actors/`` that
-import Ray; :mod:`~tessera_ray.actors.pool_link` reaches pools through ``_ray_handles`` and
-imports none.
-
-Actor names: ``tessera-dir-<i>`` and ``tessera-pool-<node>-<i>`` in the tier's Ray namespace.
+The rest of the client's job lives beside it, each module with one: :mod:`.deploy` starts,
+finds and stops the actors (``start``, ``connect`` and ``stop`` below call it), :mod:`.admin`
+holds the operator's calls (``status``, ``evict``, ``flush_metrics``, ``wait_rebuilt``, kept
+here as thin calls to :attr:`TesseraClient.admin`), and the directory's fan-out over shards is
+:class:`~tessera_ray.actors.links.ShardedDirectory`, the one the pools use too. The actor
+shells are re-exported here: :class:`~tessera_ray.actors.pool_actor.PoolActor` and
+:class:`~tessera_ray.actors.directory_actor.DirectoryActor`. This module imports no Ray itself:
+every Ray call it causes goes through ``deploy`` or ``_ray_handles`` (a pool's, through its
+:mod:`~tessera_ray.actors.pool_link`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tessera_ray.actors._client_nodes import inherited_raylet_node, pool_specs
 from tessera_ray.actors._client_plan import FetchPlan, FetchResult, assign_holders, merge_partials
 from tessera_ray.actors._client_sync import blocking, run_blocking
 from tessera_ray.actors._ray_handles import (
@@ -36,10 +32,12 @@ from tessera_ray.actors._ray_handles import (
     ShardRef,
     shard_name,
 )
+from tessera_ray.actors.admin import TierAdmin
 from tessera_ray.actors.config import TierConfig
+from tessera_ray.actors.deploy import connect_tier, start_tier, stop_tier, this_node
 from tessera_ray.actors.directory import DirectoryStats, Holder, LookupResult
 from tessera_ray.actors.directory_actor import DirectoryActor
-from tessera_ray.actors.links import sharded_lookup
+from tessera_ray.actors.links import ShardedDirectory
 from tessera_ray.actors.messages import (
     BlockCheck,
     BlockReads,
@@ -51,8 +49,8 @@ from tessera_ray.actors.pool_actor import PoolActor
 from tessera_ray.actors.pool_link import PoolLink, PoolLinks
 from tessera_ray.actors.tenancy import Access, Credential, TenantGate
 from tessera_ray.core.results import TokenKey
-from tessera_ray.errors import DirectoryUnavailableError, PoolUnavailableError
-from tessera_ray.layout import ModelLayout, preset_layout
+from tessera_ray.errors import PoolUnavailableError
+from tessera_ray.layout import ModelLayout
 
 __all__ = [
     "PoolActor",
@@ -63,20 +61,6 @@ __all__ = [
     "DIR_PREFIX",
     "this_node",
 ]
-
-log = logging.getLogger(__name__)
-
-
-def this_node() -> str:
-    """The Ray node this process runs on. A process started under a Ray worker (vLLM's engine
-    core under a Serve replica) that joins Ray as a driver of its own is attached to a node by
-    address: the head's, where several nodes share a host. The node whose raylet started the
-    worker it descends from is the one it runs on; Ray passes that raylet down to children."""
-    return (
-        os.environ.get("RAY_NODE_ID")
-        or inherited_raylet_node()
-        or ray.get_runtime_context().get_node_id()
-    )
 
 
 class TesseraClient:
@@ -122,62 +106,19 @@ class TesseraClient:
         (:meth:`issue_credential`; see :mod:`~tessera_ray.actors.tenancy`); ``None``: an open
         tier where a namespace is a plain string."""
         TenantGate(tenant_secret)  # refuse a weak secret before anything starts
-        owns_ray = not ray.is_initialized()
-        if owns_ray:
-            ray.init(
-                address=address or "local",
-                namespace=config.ray_namespace,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                logging_level=logging.ERROR,
-                log_to_driver=not quiet,
-            )
-        layout = layout or preset_layout(config.model, format=config.format)
-        here = ray.get_runtime_context().get_node_id()
-        for i in range(config.num_shards):
-            DirectoryActor.options(  # type: ignore[attr-defined]
-                name=shard_name(i),
-                namespace=config.ray_namespace,
-                lifetime="detached",
-                max_restarts=-1,
-                get_if_exists=True,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-            ).remote(
-                i,
-                config.num_shards,
-                config.ray_namespace,
-                config.health_interval_s,
-                config.pool.metrics_interval_s,
-                tenant_secret,
-            )
-        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
-        nodes = list(pools_on) if pools_on is not None else list(alive)
-        specs = pool_specs(config, nodes, alive, POOL_PREFIX)
-        handles = [
-            PoolActor.options(  # type: ignore[attr-defined]
-                name=spec.name,
-                namespace=config.ray_namespace,
-                lifetime="detached",
-                get_if_exists=True,
-                num_gpus=spec.num_gpus,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(spec.node, soft=False),
-            ).remote(
-                spec.name,
-                layout,
-                spec.config,
-                config.ray_namespace,
-                config.num_shards,
-                None,
-                tenant_secret,
-            )
-            for spec in specs
-        ]
-        ray.get([h.ready.remote() for h in handles])
-        return cls(
+        tier = start_tier(
             config,
-            layout,
-            [spec.name for spec in specs],
-            owns_ray=owns_ray and address is None,
+            layout=layout,
+            address=address,
+            pools_on=pools_on,
+            quiet=quiet,
+            tenant_secret=tenant_secret,
+        )
+        return cls(
+            tier.config,
+            tier.layout,
+            tier.pools,
+            owns_ray=tier.owns_ray,
             tenant_secret=tenant_secret,
         )
 
@@ -192,38 +133,13 @@ class TesseraClient:
         """Attach to a running tier (started by :meth:`start` or ``tessera-ray start``): the
         pools and shards are found by name, the layout and settings are asked of a pool (never
         the tenant secret: an operator who holds it passes it to issue credentials)."""
-        if not ray.is_initialized():
-            ray.init(
-                address=address or "auto", namespace=ray_namespace, logging_level=logging.ERROR
-            )
-        named = [
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == ray_namespace
-        ]
-        pools = sorted(n for n in named if n.startswith(POOL_PREFIX))
-        if not pools:
-            raise PoolUnavailableError(
-                f"no tessera-ray pools in Ray namespace {ray_namespace!r}; start the tier first "
-                f"(tessera-ray start)"
-            )
-        first = PoolRef(ActorCache(ray_namespace), pools[0])
-        layout, pool_cfg, num_shards = first.describe_now()
-        config = TierConfig(
-            model=layout.model, pool=pool_cfg, num_shards=num_shards, ray_namespace=ray_namespace
-        )
-        return cls(config, layout, pools, tenant_secret=tenant_secret)
+        tier = connect_tier(ray_namespace, address=address)
+        return cls(tier.config, tier.layout, tier.pools, tenant_secret=tenant_secret)
 
     def stop(self) -> None:
         """Kill the tier's actors (the disk tiers stay on disk), and the embedded Ray if
         :meth:`start` started it."""
-        for name in [*self.pools, *(shard_name(i) for i in range(self.config.num_shards))]:
-            try:
-                ray.kill(ray.get_actor(name, namespace=self.config.ray_namespace), no_restart=True)
-            except ValueError:
-                pass
-        if self.owns_ray:
-            ray.shutdown()
+        stop_tier(self.config, self.pools, owns_ray=self.owns_ray)
 
     def issue_credential(self, tenant: str, reads: Sequence[str] = ()) -> Credential:
         """A credential for ``tenant`` that may also read the namespaces in ``reads``
@@ -248,6 +164,12 @@ class TesseraClient:
     def close_links(self) -> None:
         """Close the channels :meth:`pool_link` opened (on the loop that opened them)."""
         self._links.close()
+
+    def _directory(self) -> ShardedDirectory:
+        """The shards, fanned out over as the pools' own lookups and purges are (one code
+        path). Made per call: its write lock binds to the event loop it first waits in, and
+        each blocking method runs in a loop of its own."""
+        return ShardedDirectory([self.shard_ref(s) for s in range(self.config.num_shards)])
 
     def pool(self, name: str) -> Any:
         """Pool ``name``'s raw Ray actor handle (for operators and tests: ``ray.kill``, a call
@@ -301,24 +223,12 @@ class TesseraClient:
         """One call per shard. A shard that is down (restarting) answers with misses, or
         raises :class:`DirectoryUnavailableError` when ``strict`` (a caller that must tell "not
         held" from "not known", such as a request router)."""
-
-        async def ask(s: int, keys: list[TokenKey]) -> list[LookupResult | None] | None:
-            try:
-                return await self.shard_ref(s).lookup(namespace, keys)
-            except DirectoryUnavailableError as exc:
-                if strict:
-                    raise
-                log.warning("directory shard %d unavailable: %s; answering misses", s, exc)
-                return None
-
-        return await sharded_lookup(token_keys, self.config.num_shards, ask)
+        return await self._directory().lookup(namespace, token_keys, strict=strict)
 
     async def apurge_pool(self, pool: str) -> None:
-        async def purge(s: int) -> None:
-            with contextlib.suppress(DirectoryUnavailableError):
-                await self.shard_ref(s).purge_pool(pool)
-
-        await asyncio.gather(*(purge(s) for s in range(self.config.num_shards)))
+        """Have every shard forget ``pool``'s replicas (a pool found unavailable); a shard
+        that is down is skipped, and re-learns the pool from its inventory if it answers."""
+        await self._directory().purge(pool)
 
     async def afetch(
         self,
@@ -399,16 +309,12 @@ class TesseraClient:
         ones that rotted in its memory (see :class:`BlockCheck`)."""
         return await self.pool_ref(pool).check_blocks(namespace, list(token_keys))
 
-    async def aevict(self, pool: str, num_blocks: int) -> EvictionReport:
-        return await self.pool_ref(pool).evict(num_blocks)
-
     store = blocking(astore)
     purge_pool = blocking(apurge_pool)
     fetch = blocking(afetch)
     attend = blocking(aattend)
     read = blocking(aread)
     check_blocks = blocking(acheck_blocks)
-    evict = blocking(aevict)
 
     def lookup(
         self, namespace: Access, token_keys: Sequence[TokenKey]
@@ -416,45 +322,33 @@ class TesseraClient:
         # Written out to keep the narrower signature: the blocking form takes no ``strict``.
         return run_blocking(self.alookup(namespace, token_keys))
 
-    # ------------------------------------------------------------------ status
+    # ------------------------------------------------------------------ admin
+
+    @property
+    def admin(self) -> TierAdmin:
+        """The operator's calls over this tier's pools and shards (see :mod:`.admin`)."""
+        return TierAdmin(self._actors, self.pools, self.config.num_shards)
+
+    # The client's own names for them, kept for its callers.
 
     async def astatus(self) -> tuple[list[PoolStatus | str], list[DirectoryStats | str]]:
-        """Every pool's and shard's snapshot; an unreachable one is reported by a reason."""
+        """Every pool's and shard's snapshot (:meth:`TierAdmin.astatus`)."""
+        return await self.admin.astatus()
 
-        async def pool(name: str) -> PoolStatus | str:
-            try:
-                return await self.pool_ref(name).status()
-            except PoolUnavailableError as exc:
-                return f"{name}: down ({type(exc.__cause__).__name__})"
-
-        async def shard(s: int) -> DirectoryStats | str:
-            try:
-                return await self.shard_ref(s).stats()
-            except DirectoryUnavailableError as exc:
-                return f"shard {s}: down ({type(exc.__cause__).__name__})"
-
-        pools = await asyncio.gather(*(pool(p) for p in self.pools))
-        shards = await asyncio.gather(*(shard(s) for s in range(self.config.num_shards)))
-        return list(pools), list(shards)
+    async def aevict(self, pool: str, num_blocks: int) -> EvictionReport:
+        """Have ``pool`` evict up to ``num_blocks`` blocks (:meth:`TierAdmin.aevict`)."""
+        return await self.admin.aevict(pool, num_blocks)
 
     async def aflush_metrics(self) -> None:
-        """Have every pool and shard export its snapshot now (Ray still ships the values to
-        the nodes' metrics endpoints on its own schedule)."""
-        await asyncio.gather(
-            *(self.pool_ref(p).flush_metrics() for p in self.pools),
-            *(self.shard_ref(s).flush_metrics() for s in range(self.config.num_shards)),
-        )
+        """Every pool and shard exports its snapshot now (:meth:`TierAdmin.aflush_metrics`)."""
+        await self.admin.aflush_metrics()
 
     async def await_rebuilt(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every shard has rebuilt its index (after a start or a restart) and
-        re-learned every pool it purged that answers again; False on ``timeout_s``."""
-        refs = [self.shard_ref(s) for s in range(self.config.num_shards)]
-        try:
-            done = await asyncio.gather(*(ref.wait_rebuilt(timeout_s) for ref in refs))
-        except DirectoryUnavailableError:
-            return False
-        return all(done)
+        """Wait for every shard's rebuild; False on ``timeout_s``
+        (:meth:`TierAdmin.await_rebuilt`)."""
+        return await self.admin.await_rebuilt(timeout_s)
 
     status = blocking(astatus)
+    evict = blocking(aevict)
     flush_metrics = blocking(aflush_metrics)
     wait_rebuilt = blocking(await_rebuilt)

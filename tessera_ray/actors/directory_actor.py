@@ -1,35 +1,33 @@
 """The directory actor: a thin Ray shell over :class:`DirectoryShard`; named, restartable.
 After a (re)start it rebuilds itself from the pools' inventories; it checks that pools are
 alive, purges the replicas of dead ones, and re-learns a purged pool that answers again.
-:class:`ShardedDirectory` is the other side: how a pool actor reaches the shards.
+The other side, how pools and clients reach the shards, is
+:class:`~tessera_ray.actors.links.ShardedDirectory`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 
 import ray
 
-from tessera_ray.actors._ray_handles import POOL_PREFIX, ActorCache, PoolRef, ShardRef
+from tessera_ray.actors._ray_handles import POOL_PREFIX, ActorCache, PoolRef
 from tessera_ray.actors.directory import (
     DirectoryShard,
     DirectoryStats,
     LookupResult,
     Registration,
-    Registrations,
     Tier,
 )
 from tessera_ray.actors.exporter import export_directory_stats
-from tessera_ray.actors.links import group_by_shard, sharded_lookup
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core.results import BlockHash, TokenKey
-from tessera_ray.errors import DirectoryUnavailableError, PoolUnavailableError
+from tessera_ray.errors import PoolUnavailableError
 from tessera_ray.metrics import get_metrics
 from tessera_ray.transport import PeerInfo
 
-__all__ = ["DirectoryActor", "ShardedDirectory"]
+__all__ = ["DirectoryActor"]
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +161,9 @@ class DirectoryActor:
         self._start()
         return self.shard.register(entries)
 
-    async def lookup(self, namespace: Access, keys: list[TokenKey]) -> list[LookupResult | None]:
+    async def lookup(self, access: Access, token_keys: list[TokenKey]) -> list[LookupResult | None]:
         self._start()
-        return self.shard.lookup(namespace, keys)
+        return self.shard.lookup(access, token_keys)
 
     async def drop_replicas(
         self, pool: str, blocks: list[tuple[str, BlockHash]], tier: Tier | None
@@ -206,78 +204,3 @@ class DirectoryActor:
         except TimeoutError:
             return False
         return True
-
-
-class ShardedDirectory:
-    """A pool's view of the directory (a DirectoryLink over the named shard actors). A shard
-    that is down is skipped: it rebuilds from inventories when it is back, so nothing is lost."""
-
-    def __init__(self, ray_namespace: str, num_shards: int) -> None:
-        self.ray_namespace = ray_namespace
-        self.num_shards = num_shards
-        # Ray runs an async actor's calls in no guaranteed order, even from one caller: a drop
-        # and a later register of the same replica could land reversed, leaving the directory
-        # naming a copy the pool no longer has (or forgetting one it has). Each change waits
-        # for the previous one to be applied.
-        self._writes = asyncio.Lock()
-        actors = ActorCache(ray_namespace)
-        self._shards = [ShardRef(actors, i) for i in range(num_shards)]
-
-    async def _call(self, i: int, method: str, *args: object) -> object:
-        """The shard's answer, or ``None`` (logged) when it is down."""
-        try:
-            return await getattr(self._shards[i], method)(*args)
-        except DirectoryUnavailableError as exc:
-            log.warning("directory shard %d unavailable: %s", i, exc)
-            return None
-
-    async def register(self, entries: Sequence[Registration]) -> None:
-        groups = group_by_shard([e.token_key for e in entries], self.num_shards)
-        async with self._writes:
-            await asyncio.gather(
-                *(
-                    self._call(s, "register", Registrations(entries[i] for i in idx))
-                    for s, idx in groups.items()
-                )
-            )
-
-    async def drop(
-        self, pool: str, blocks: Sequence[tuple[str, BlockHash]], tier: Tier | None
-    ) -> None:
-        async with self._writes:
-            await asyncio.gather(
-                *(
-                    self._call(s, "drop_replicas", pool, list(blocks), tier)
-                    for s in range(self.num_shards)
-                )
-            )
-
-    async def purge(self, pool: str) -> None:
-        """Forget every replica of ``pool`` (a pool process that starts holds nothing)."""
-        async with self._writes:
-            await asyncio.gather(
-                *(self._call(s, "purge_pool", pool) for s in range(self.num_shards))
-            )
-
-    async def publish_peer(self, info: PeerInfo) -> None:
-        """Every shard keeps every pool's transport data, so a reader finds it at any shard."""
-        await asyncio.gather(*(self._call(s, "publish_peer", info) for s in range(self.num_shards)))
-
-    async def peer(self, name: str) -> PeerInfo | None:
-        for s in range(self.num_shards):
-            found = await self._call(s, "peer", name)
-            if isinstance(found, PeerInfo):
-                return found
-        return None
-
-    async def lookup(
-        self, namespace: Access, token_keys: Sequence[TokenKey]
-    ) -> list[LookupResult | None]:
-        async def ask(s: int, keys: list[TokenKey]) -> list[LookupResult | None] | None:
-            try:
-                return await self._shards[s].lookup(namespace, keys)
-            except DirectoryUnavailableError as exc:
-                log.warning("directory shard %d unavailable: %s", s, exc)
-                return None
-
-        return await sharded_lookup(token_keys, self.num_shards, ask)

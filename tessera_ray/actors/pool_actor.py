@@ -1,9 +1,10 @@
 """The pool actor: a thin async Ray shell over :class:`PoolService`, one per GPU (or per node
-on CPU clusters), placed by node affinity. It reaps expired leases in the background, serves
-its pin channel, and pulls blocks from other pools (``fetch_from``, the protocol in
-:mod:`~tessera_ray.actors.fetcher`, owners reached through :mod:`~tessera_ray.actors.pool_link`).
-With ``directory_actor``, ``client`` and ``_ray_handles``, one of the four modules of
-``actors/`` that import Ray.
+on CPU clusters), placed by node affinity. It answers the verbs of
+:class:`~tessera_ray.actors.pool_api.PoolApi` under the same parameter names, reaps expired
+leases in the background, serves its pin channel, and pulls blocks from other pools
+(``fetch_from``, the protocol in :mod:`~tessera_ray.actors.fetcher`, owners reached through
+:mod:`~tessera_ray.actors.pool_link`). With ``directory_actor``, ``deploy`` and
+``_ray_handles``, one of the four modules of ``actors/`` that import Ray.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import torch
 
 from tessera_ray.actors._heap import freeze_startup_heap
 from tessera_ray.actors._pool_runtime import every, reap_forever, serve_pin_channel
-from tessera_ray.actors._ray_handles import ActorCache
+from tessera_ray.actors._ray_handles import ActorCache, ShardRef
 from tessera_ray.actors.channel import ChannelAddress, ChannelServer
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import Registration, Tier
-from tessera_ray.actors.directory_actor import ShardedDirectory
 from tessera_ray.actors.exporter import export_pool_status, pool_tags
 from tessera_ray.actors.fetcher import Fetcher
+from tessera_ray.actors.links import ShardedDirectory
 from tessera_ray.actors.messages import (
     BlockCheck,
     BlockFailure,
@@ -69,7 +70,8 @@ class PoolActor:
         node = ray.get_runtime_context().get_node_id()
         self.ray_namespace = ray_namespace
         self.num_shards = num_shards
-        self.directory = ShardedDirectory(ray_namespace, num_shards)
+        actors = ActorCache(ray_namespace)
+        self.directory = ShardedDirectory([ShardRef(actors, i) for i in range(num_shards)])
         # content_hash: a weaker hash forces collisions in tests; the default is xxh3-128.
         self.svc = PoolService(
             name,
@@ -82,7 +84,7 @@ class PoolActor:
         )
         self.metrics = get_metrics()
         self._links = PoolLinks(
-            ActorCache(ray_namespace),
+            actors,
             label=f"pool {name}",
             channels=config.pin_channel,
             directory=self.directory,
@@ -152,36 +154,36 @@ class PoolActor:
         """The layout, settings and shard count this pool runs with (for clients that connect)."""
         return self.svc.layout, self.svc.config, self.num_shards
 
+    # ------------------------------------------------------------------ PoolApi (see pool_api)
+
     async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Reservation:
         await self._start()
         return await self.svc.reserve(num_blocks, lease_s)
 
     async def commit(
-        self, reservation_id: int, namespace: Access, keys: list[TokenKey], payloads: np.ndarray
+        self,
+        reservation_id: int,
+        access: Access,
+        token_keys: list[TokenKey],
+        payloads: np.ndarray | torch.Tensor,
     ) -> list[StoredBlock]:
         await self._start()
-        return await self.svc.commit(reservation_id, namespace, keys, payloads)
+        return await self.svc.commit(reservation_id, access, token_keys, payloads)
 
     async def abort(self, reservation_id: int) -> None:
         self.svc.abort(reservation_id)
 
-    async def store(
-        self, namespace: Access, keys: list[TokenKey], payloads: np.ndarray
-    ) -> list[StoredBlock]:
-        await self._start()
-        return await self.svc.store(namespace, keys, payloads)
-
     async def contains(
-        self, namespace: Access, keys: list[TokenKey], touch: bool = False
+        self, access: Access, token_keys: list[TokenKey], touch: bool = False
     ) -> list[Tier | None]:
         await self._start()
-        return self.svc.contains(namespace, keys, touch)
+        return self.svc.contains(access, token_keys, touch)
 
     async def pin(
-        self, namespace: Access, keys: list[TokenKey], lease_s: float | None = None
+        self, access: Access, token_keys: list[TokenKey], lease_s: float | None = None
     ) -> PinTicket:
         await self._start()
-        return await self.svc.pin(namespace, keys, lease_s)
+        return await self.svc.pin(access, token_keys, lease_s)
 
     async def unpin(self, pin_id: int) -> bool:
         return self.svc.unpin(pin_id)
@@ -189,24 +191,22 @@ class PoolActor:
     async def read_pinned(self, pin_id: int) -> np.ndarray:
         return self.svc.read_pinned(pin_id)
 
-    async def read(self, namespace: Access, keys: list[TokenKey]) -> list[np.ndarray | None]:
-        """Payloads of blocks held here (memory or disk), for callers that consume bytes."""
-        blocks = await self.read_blocks(namespace, keys)
-        return [b.payload if b is not None else None for b in blocks]
-
-    async def read_blocks(self, namespace: Access, keys: list[TokenKey]) -> BlockReads:
-        """Payloads with the block hashes to check them against (see :class:`BlockReads`)."""
+    async def read(self, access: Access, token_keys: list[TokenKey]) -> list[np.ndarray | None]:
         await self._start()
-        return await self.svc.read_blocks(namespace, keys)
+        return await self.svc.read(access, token_keys)
 
-    async def check_blocks(self, namespace: Access, keys: list[TokenKey]) -> list[BlockCheck]:
+    async def read_blocks(self, access: Access, token_keys: list[TokenKey]) -> BlockReads:
         await self._start()
-        return await self.svc.check_blocks(namespace, keys)
+        return await self.svc.read_blocks(access, token_keys)
+
+    async def check_blocks(self, access: Access, token_keys: list[TokenKey]) -> list[BlockCheck]:
+        await self._start()
+        return await self.svc.check_blocks(access, token_keys)
 
     async def attend(
         self,
-        namespace: Access,
-        keys: list[TokenKey],
+        access: Access,
+        token_keys: list[TokenKey],
         positions: list[int],
         layer: int,
         q: torch.Tensor,
@@ -215,7 +215,8 @@ class PoolActor:
         causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         await self._start()
-        return self.svc.attend(namespace, keys, positions, layer, q, seqlen, softmax_scale, causal)
+        args = (access, token_keys, positions, layer, q, seqlen, softmax_scale, causal)
+        return self.svc.attend(*args)
 
     async def evict(self, num_blocks: int) -> EvictionReport:
         await self._start()
@@ -239,11 +240,13 @@ class PoolActor:
             status, channel_pins=server.served["pin"], channel_refused=server.refused
         )
 
+    # ------------------------------------------------------------------ the shell's own
+
     async def fetch_from(
-        self, owner_name: str, namespace: Access, keys: list[TokenKey], timeout_s: float = 30.0
+        self, owner: str, access: Access, token_keys: list[TokenKey], timeout_s: float = 30.0
     ) -> list[BlockFailure | None]:
-        """Pull blocks from ``owner_name`` into this pool (:class:`Fetcher`); per key ``None``
+        """Pull blocks from pool ``owner`` into this pool (:class:`Fetcher`); per key ``None``
         (installed or already here) or why not. The caller's access is checked here and again
         by the owner."""
         await self._start()
-        return await self.fetcher.fetch(owner_name, namespace, keys, timeout_s)
+        return await self.fetcher.fetch(owner, access, token_keys, timeout_s)

@@ -20,7 +20,7 @@ import numpy as np
 
 from tessera_ray.actors._ray_handles import CALL_TIMEOUT_S, ActorCache, PoolRef
 from tessera_ray.actors.channel import ChannelClient, ChannelError, PendingCall, send_if_open
-from tessera_ray.actors.directory_actor import ShardedDirectory
+from tessera_ray.actors.links import ShardedDirectory
 from tessera_ray.actors.messages import PinTicket
 from tessera_ray.actors.tenancy import Access
 from tessera_ray.core.results import BlockHash, TokenKey
@@ -139,7 +139,7 @@ class _PendingPin:
     def _by_ray(self) -> asyncio.Future[PinTicket]:
         # Started now (sent at the loop's next turn), not when awaited: the pin travels while
         # the reader reserves its slots.
-        return asyncio.ensure_future(self._link.ref.pin(self._access, self._keys, None))
+        return asyncio.ensure_future(self._link.ref.pin(self._access, self._keys))
 
     async def answer(self, timeout_s: float) -> PinTicket:
         link = self._link
@@ -220,7 +220,7 @@ class PoolLink:
         return await self.ref.peer_info(timeout_s)
 
     async def read_pinned(self, pin_id: int, timeout_s: float) -> np.ndarray:
-        return await self.ref.read_pinned(pin_id, timeout_s)
+        return await self.ref.read_pinned(pin_id, timeout_s=timeout_s)
 
     def unpin(self, pin_id: int) -> None:
         """End a pin without waiting (if it is lost, the pin ends with its lease)."""

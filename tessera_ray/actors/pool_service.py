@@ -16,6 +16,9 @@ lists in, aligned lists out. The service is a facade; each job is a collaborator
   first; the last copy of a block goes to the disk tier instead of vanishing; on restart the
   disk tier is reopened and announced again.
 
+What a caller in another process reaches are the verbs of
+:class:`~tessera_ray.actors.pool_api.PoolApi`, under the same parameter names; those that never
+wait are plain methods here, for in-process callers that must not yield (see that module).
 Every wall-clock deadline uses ``clock`` (injectable for tests). Methods check their input
 before changing anything.
 """
@@ -244,7 +247,7 @@ class PoolService:
         for i, key in enumerate(token_keys):
             handles = taken.get(i) or self.groups.reference(namespace, key)
             if handles is None:
-                bh = self.groups.hashes.pop((namespace, key), None)
+                bh = self.groups.forget(namespace, key)
                 if bh is not None:  # dropped with another key naming the same pages
                     vanished.append((namespace, bh))
                 blocks.append(None)
@@ -255,11 +258,16 @@ class PoolService:
         return self._ticket(namespace, held, blocks, lease)
 
     def unpin(self, pin_id: int) -> bool:
-        lease = self.leases.pins.pop(pin_id, None)
+        lease = self.leases.unpin(pin_id)
         if lease is None:
             return False
         self.writer.release(lease)
         return True
+
+    async def read(self, access: Access, token_keys: Sequence[TokenKey]) -> list[np.ndarray | None]:
+        """Per key, the block's bytes, or ``None`` (:meth:`read_blocks` without the hashes)."""
+        blocks = await self.read_blocks(access, token_keys)
+        return [b.payload if b is not None else None for b in blocks]
 
     async def read_blocks(self, access: Access, token_keys: Sequence[TokenKey]) -> BlockReads:
         """Per key, the block's bytes and hash (restored from disk if need be), or nothing
@@ -300,7 +308,7 @@ class PoolService:
                 out.append(BlockCheck.IN_USE)
             else:
                 self.rotten += 1
-                bh = self.groups.hashes.pop((namespace, key), None)
+                bh = self.groups.forget(namespace, key)
                 if bh is not None:
                     dropped.append((namespace, bh))
                 out.append(BlockCheck.DROPPED)
@@ -309,7 +317,7 @@ class PoolService:
 
     def read_pinned(self, pin_id: int) -> np.ndarray:
         """The pinned blocks' payloads, ``[blocks held, block_bytes]`` (the object-store path)."""
-        lease = self.leases.pins.get(pin_id)
+        lease = self.leases.pinned(pin_id)
         if lease is None:
             raise LeaseError(f"pin {pin_id} is unknown or expired; pin again")
         return self.groups.gather(lease.handles)

@@ -113,20 +113,6 @@ class DiskTier(StorageTier):
         self._pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tessera-disk")
         self._open(custom_hasher=hasher is not None)
 
-    @classmethod
-    def from_config(cls, cfg: DiskTierConfig, *, hasher: ContentHasher | None = None) -> DiskTier:
-        return cls(
-            cfg.root,
-            cfg.capacity_bytes,
-            fingerprint=cfg.fingerprint,
-            namespace=cfg.namespace,
-            hasher=hasher,
-            segment_max_bytes=cfg.segment_max_bytes,
-            io_threads=cfg.io_threads,
-            direct_io=cfg.direct_io,
-            progress=cfg.progress,
-        )
-
     # --- opening / restart ------------------------------------------------------------------
 
     def _open(self, *, custom_hasher: bool) -> None:

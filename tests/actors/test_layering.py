@@ -13,10 +13,10 @@ SHELLS = {
     # The boundary: actor names, handles, and typed calls that turn an unreachable actor into
     # one error; every call the actors, the client and the Serve gateway make goes through it.
     "actors/_ray_handles.py",
-    # Ray actor classes and what starts them.
+    # Ray actor classes and what starts them (the client calls through these two modules).
     "actors/pool_actor.py",
     "actors/directory_actor.py",
-    "actors/client.py",
+    "actors/deploy.py",
     "_cli_tier.py",
     # Ray Serve deployments and their router, and the demo that runs them.
     "serve/app.py",
@@ -51,7 +51,7 @@ REMOTE_CALLERS = {
     # The boundary: every call to a running actor goes through its typed calls.
     "actors/_ray_handles.py",
     # Starting the actors (``Actor.options(...).remote(...)``) is deployment.
-    "actors/client.py",
+    "actors/deploy.py",
     # Ray's object store as a transport: the owner's endpoint serves its pages.
     "transport/ray_object.py",
     # The demo asks each Serve replica where it runs (``__ray_call__``), a Ray feature.
@@ -104,7 +104,9 @@ def test_plain_classes_load_without_ray() -> None:
     assert_loads_without(
         (
             "tessera_ray.actors.pool_service",
+            "tessera_ray.actors.pool_api",
             "tessera_ray.actors.directory",
+            "tessera_ray.actors.links",
             "tessera_ray.actors.fetcher",
         ),
         ("ray",),

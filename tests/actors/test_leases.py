@@ -1,5 +1,6 @@
 """The pool's lease table: ids unique across reservations and pins, expiry by the injected
-clock, everything handed back on close."""
+clock, each lease taken out once through the table's own methods, everything handed back on
+close."""
 
 from __future__ import annotations
 
@@ -26,3 +27,14 @@ def test_ids_are_not_sequential() -> None:
     ids = [table.reserve([], 1.0)[0] for _ in range(50)]
     assert len(set(ids)) == 50
     assert sorted(ids) != ids and all(i > 0 for i in ids)
+
+
+def test_a_lease_leaves_its_table_once_through_the_owners_methods() -> None:
+    table = LeaseTable(lambda: 0.0)
+    rid, reserved = table.reserve([], 5.0)
+    pid, pinned = table.pin([], 5.0, "ns")
+    assert table.reservation(rid) is reserved and table.pinned(pid) is pinned
+    assert table.reservation(pid) is None and table.pinned(rid) is None  # ids keep their kind
+    assert table.take_reservation(rid) is reserved and table.take_reservation(rid) is None
+    assert table.unpin(pid) is pinned and table.unpin(pid) is None
+    assert table.drain() == []

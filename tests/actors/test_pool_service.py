@@ -41,6 +41,9 @@ def test_store_pin_read_round_trip() -> None:
     assert all(b is not None for b in ticket.blocks)
     assert np.array_equal(pool.read_pinned(ticket.id), data)
     assert pool.unpin(ticket.id) and not pool.unpin(ticket.id)
+    got = run(pool.read(NS, [*ks, keys(1, start=9)[0]]))
+    assert [np.array_equal(g, row) for g, row in zip(got[:3], data, strict=True)] == [True] * 3
+    assert got[3] is None and pool.status().pins == 0
     found = run(d.lookup(NS, ks))
     assert [r.block_hash for r in found if r] == [s.block_hash for s in stored]
     assert run(d.lookup("tenant-b", ks)) == [None] * 3

@@ -79,7 +79,7 @@ def test_forced_collisions_across_tenants_serve_nothing_wrong(
         for i, (t, cred) in enumerate(tenants.items()):
             rows = np.concatenate([_rows(chaos_tier, 34, i), shared])
             keys = _keys(chaos_tier, t, len(rows), 7)
-            ray.get(actor.store.remote(cred, keys, rows))
+            chaos_tier.store(cred, keys, rows, pool=name)
             data[t] = (keys, rows)
         for t, cred in tenants.items():
             keys, rows = data[t]
@@ -165,15 +165,17 @@ def test_malformed_and_forged_requests_change_nothing(
     ticket = ray.get(actor.pin.remote(cred, good_keys))
     ray.get(actor.unpin.remote(ticket.id))
     bb = chaos_tier.layout.block_bytes
+
+    def store(keys: list[bytes], rows: np.ndarray) -> None:
+        # The client's two-phase store: a refused commit is aborted before the error arrives.
+        chaos_tier.store(cred, keys, rows, pool=pool)
+
+    # Each case raises, from the call itself or from ray.get of the call's answer.
     cases: dict[str, Callable[[], Any]] = {
-        "payload of the wrong dtype": lambda: actor.store.remote(
-            cred, good_keys, good_rows.astype(np.int16)
-        ),
-        "payload of the wrong shape": lambda: actor.store.remote(
-            cred, good_keys, np.zeros((2, bb - 1), np.uint8)
-        ),
-        "fewer payload rows than keys": lambda: actor.store.remote(cred, good_keys, good_rows[:1]),
-        "token key of 31 bytes": lambda: actor.store.remote(cred, [b"x" * 31], good_rows[:1]),
+        "payload of the wrong dtype": lambda: store(good_keys, good_rows.astype(np.int16)),
+        "payload of the wrong shape": lambda: store(good_keys, np.zeros((2, bb - 1), np.uint8)),
+        "fewer payload rows than keys": lambda: store(good_keys, good_rows[:1]),
+        "token key of 31 bytes": lambda: store([b"x" * 31], good_rows[:1]),
         "token key that is a str": lambda: actor.contains.remote(cred, ["k" * 32]),
         "oversized batch (65,537 keys)": lambda: actor.contains.remote(
             cred, good_keys[:1] * (MAX_BATCH_KEYS + 1)
