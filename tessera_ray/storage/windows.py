@@ -1,33 +1,16 @@
 """Persistence of V4 sliding windows and per-request arenas: ``drop``, ``snapshot``, ``full``.
 
 A V4 layer keeps the last 128 tokens uncompressed (SWA) in a per-request ring, outside the
-shared pages. What reaches disk is a choice. Bytes written for one DeepSeek-V4-Flash request
-of 32K (32,768) tokens, 43 layers with a 128-token window (``window_write_bytes`` computes
-them from the layout; ``tests/storage/test_windows.py`` pins them):
+shared pages. What reaches disk is a choice; :func:`window_write_bytes` computes what each
+strategy writes for a layout (docs/v4-windows.md has the figures for DeepSeek-V4-Flash and when
+each strategy wins):
 
-==========  ======================================  ================================
-strategy    v4-model1 (584 B/token/layer)           v4-paper (576 B/token/layer)
-==========  ======================================  ================================
-drop        0 B                                     0 B
-snapshot    3,214,336 B per checkpoint (3.07 MiB)   3,170,304 B per checkpoint
-full        822,870,016 B (784.8 MiB)               811,597,824 B (774.0 MiB)
-==========  ======================================  ================================
-
-For scale, the request's paged KV (CSA + indexer + HCA) is 126,164,992 B in v4-model1, so
-``full`` writes 6.5x the paged bytes while ``snapshot`` adds 2.5% per checkpoint.
-
-When each wins:
-
-- ``drop``: restore recomputes the window by re-running the last 128 tokens (one short
-  prefill of 128 tokens over cached compressed KV). Wins when disk bandwidth is scarce or
-  sessions are rarely resumed: nothing is written, and 128 tokens of prefill cost
-  milliseconds on a GPU.
-- ``snapshot``: the window as of the last checkpoint (e.g. end of a turn). Wins for agent
-  sessions that pause between turns and resume on another worker: restore is one 3 MiB read
-  and no recompute, and the cost is paid once per checkpoint, not per token.
-- ``full``: every window entry as produced. Only wins when a crash must resume mid-turn
-  without any recompute (the window can be rebuilt at every position); it writes 256x the
-  snapshot for 32K tokens, so it is for debugging and replay, not the default.
+- ``drop``: nothing is written; restore recomputes the window by re-running the last 128 tokens
+  over cached compressed KV (one short prefill).
+- ``snapshot``: the window as of the last checkpoint (e.g. end of a turn), paid once per
+  checkpoint: for sessions that pause between turns and resume on another worker.
+- ``full``: every window entry as produced: for a crash that must resume mid-turn without any
+  recompute; for debugging and replay, not the default.
 """
 
 from __future__ import annotations
