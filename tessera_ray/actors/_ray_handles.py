@@ -54,8 +54,16 @@ POOL_PREFIX = "tessera-pool-"
 DIR_PREFIX = "tessera-dir-"
 DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 """What a call to an actor whose process is gone raises."""
-UNREACHABLE = (*DEAD, ValueError, TimeoutError, ray.exceptions.GetTimeoutError)
-"""Everything that means "that actor did not answer" (``ValueError``: no actor of that name)."""
+UNREACHABLE = (
+    *DEAD,
+    ValueError,
+    TimeoutError,
+    ray.exceptions.GetTimeoutError,
+    ray.exceptions.ObjectLostError,
+)
+"""Everything that means "that actor did not answer" (``ValueError``: no actor of that name;
+``ObjectLostError``: the call's arguments or answer could not be moved, e.g. their owner is
+gone)."""
 CALL_TIMEOUT_S = 10.0
 """The deadline of a control call (status, purge, abort); data calls name their own."""
 
