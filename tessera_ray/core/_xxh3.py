@@ -276,7 +276,8 @@ def xxh3_128_rows(
     if kernel:
         from tessera_ray.core._xxh3_kernel import accumulate_kernel
 
-        digests = merge(accumulate_kernel(words, index, keys), keys, row_bytes)
+        acc = accumulate_kernel(words, index, keys.stripe, keys.scramble, keys.last, keys.init)
+        digests = merge(acc, keys, row_bytes)
     else:
         step = max(1, _ROW_CHUNK_BYTES // row_bytes)
         digests = torch.cat(

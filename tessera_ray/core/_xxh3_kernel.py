@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tessera_ray.core._xxh3 import XXH3Keys
-
 __all__ = ["GROUP_BLOCKS", "NUM_WARPS", "accumulate_kernel"]
 
 GROUP_BLOCKS = 4
@@ -91,12 +89,20 @@ def _accumulate(
     tl.store(out_ptr + page * 8 + lanes, acc.to(tl.int64, bitcast=True))
 
 
-def accumulate_kernel(words: torch.Tensor, index: torch.Tensor, keys: XXH3Keys) -> torch.Tensor:
+def accumulate_kernel(
+    words: torch.Tensor,
+    index: torch.Tensor,
+    stripe: torch.Tensor,
+    scramble: torch.Tensor,
+    last: torch.Tensor,
+    init: torch.Tensor,
+) -> torch.Tensor:
     """The accumulators ``[len(index), 8]`` (int64) of rows ``index`` of ``words``.
 
     ``words``: int64 ``[pages, row_words]`` (a uint8 page tensor viewed as words, rows of a
     qualifying length, ``_xxh3.rows_qualify``); ``index``: int64 ``[rows]`` page indices in
-    range; ``keys`` and both tensors on one device. Checked by the caller, ``_xxh3``.
+    range; the keys as in ``_xxh3.XXH3Keys`` (``stripe [16, 8]``, the others ``[8]``). All
+    contiguous, on one device; checked by the caller, ``_xxh3.xxh3_128_rows``.
     """
     rows, row_words = index.numel(), words.shape[1]
     length = row_words * 8
@@ -106,10 +112,10 @@ def accumulate_kernel(words: torch.Tensor, index: torch.Tensor, keys: XXH3Keys) 
     _accumulate[(rows,)](
         words,
         index,
-        keys.stripe,
-        keys.scramble,
-        keys.last,
-        keys.init,
+        stripe,
+        scramble,
+        last,
+        init,
         out,
         row_words,
         blocks,
