@@ -37,6 +37,7 @@ __all__ = [
     "accumulate_reference",
     "keys_for",
     "merge",
+    "merge_starts",
     "rows_qualify",
     "xxh3_128_rows",
 ]
@@ -131,6 +132,17 @@ class XXH3Keys:
     merge_high: torch.Tensor
     init: torch.Tensor
 
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        """The keys in the order the Triton kernel takes them."""
+        return (
+            self.stripe,
+            self.scramble,
+            self.last,
+            self.init,
+            self.merge_low,
+            self.merge_high,
+        )
+
 
 def keys_for(seed: int, device: torch.device) -> XXH3Keys:
     """The keys of ``seed`` (``0 <= seed < 2**64``) on ``device``."""
@@ -161,6 +173,11 @@ def _keys(seed: int, device: torch.device) -> XXH3Keys:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _starts(row_bytes: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(merge_starts(row_bytes), dtype=torch.int64, device=device)
+
+
 def rows_qualify(row_bytes: int) -> bool:
     """Whether rows of ``row_bytes`` bytes can be hashed here: the long path, whole words."""
     return row_bytes >= MIN_BYTES and row_bytes % 8 == 0
@@ -176,8 +193,12 @@ def _stripe_sums(w: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     summed over the stripes: ``[..., 8]``."""
     dk = w ^ key
     products = (dk & _M32) * _shr(dk, 32)
-    swap = torch.tensor(_SWAP, device=w.device)
-    return products.sum(-2) + w.sum(-2).index_select(-1, swap)
+    return products.sum(-2) + w.sum(-2).index_select(-1, _swap_index(w.device))
+
+
+@functools.lru_cache(maxsize=8)
+def _swap_index(device: torch.device) -> torch.Tensor:
+    return torch.tensor(_SWAP, dtype=torch.int64, device=device)
 
 
 def _scramble(acc: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -228,14 +249,21 @@ def _avalanche(h: torch.Tensor) -> torch.Tensor:
 
 def _merge_half(acc: torch.Tensor, key: torch.Tensor, start: int) -> torch.Tensor:
     folded = _mul_fold(acc[:, 0::2] ^ key[0::2], acc[:, 1::2] ^ key[1::2])
-    return _avalanche(folded.sum(-1) + _signed(start))
+    return _avalanche(folded.sum(-1) + start)
+
+
+def merge_starts(row_bytes: int) -> tuple[int, int]:
+    """Where the merges of the low and the high half start, for inputs ``row_bytes`` long (as
+    the int64 values with their bits)."""
+    return _signed(row_bytes * _PRIME64_1), _signed(~(row_bytes * _PRIME64_2))
 
 
 def merge(acc: torch.Tensor, keys: XXH3Keys, row_bytes: int) -> torch.Tensor:
     """The digests ``[rows, 2]`` (int64: low half, high half) of accumulators ``acc [rows, 8]``
     of inputs ``row_bytes`` long."""
-    low = _merge_half(acc, keys.merge_low, row_bytes * _PRIME64_1)
-    high = _merge_half(acc, keys.merge_high, ~(row_bytes * _PRIME64_2))
+    start_low, start_high = merge_starts(row_bytes)
+    low = _merge_half(acc, keys.merge_low, start_low)
+    high = _merge_half(acc, keys.merge_high, start_high)
     return torch.stack([low, high], dim=1)
 
 
@@ -263,8 +291,8 @@ def xxh3_128_rows(
 
     ``data``: ``uint8 [pages, page_bytes]``, contiguous, ``page_bytes`` qualifying
     (:func:`rows_qualify`); ``slots``: row indices; ``seed``: ``0 <= seed < 2**64``.
-    ``kernel``: accumulate with the Triton kernel (``core/_xxh3_kernel.py``; the caller checks
-    it is importable) instead of torch ops; the merge is torch either way.
+    ``kernel``: run the Triton kernel (``core/_xxh3_kernel.py``; the caller checks it imports)
+    instead of the torch ops of :func:`accumulate_reference` and :func:`merge`.
     """
     _check(data, slots)
     if not slots:
@@ -274,10 +302,9 @@ def xxh3_128_rows(
     row_bytes = data.shape[1]
     index = torch.tensor(slots, dtype=torch.int64, device=data.device)
     if kernel:
-        from tessera_ray.core._xxh3_kernel import accumulate_kernel
+        from tessera_ray.core._xxh3_kernel import digest_kernel
 
-        acc = accumulate_kernel(words, index, keys.stripe, keys.scramble, keys.last, keys.init)
-        digests = merge(acc, keys, row_bytes)
+        digests = digest_kernel(words, index, keys.kernel_args(), _starts(row_bytes, data.device))
     else:
         step = max(1, _ROW_CHUNK_BYTES // row_bytes)
         digests = torch.cat(
