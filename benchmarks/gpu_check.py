@@ -90,7 +90,8 @@ def checks(results: Path) -> list[Check]:
         Check(
             "gpu_tests",
             "the backend 'auto' picks (a kernel where one is usable, else the reference), "
-            "partial decodes merged, the tiny model, and the pool in device memory "
+            "partial decodes merged, the tiny model, the pool in device memory, and content "
+            "hashes computed on the device against the host's "
             f"(tests/gpu -k 'not ({KERNEL_TESTS})', tests/core/test_pool_gpu.py)",
             _pytest("tests/gpu", "tests/core/test_pool_gpu.py", "-k", f"not ({KERNEL_TESTS})"),
             30,
@@ -105,8 +106,9 @@ def checks(results: Path) -> list[Check]:
         ),
         Check(
             "gpu_pool",
-            "a device pool's seal and verified fetch (same process, then NIXL VRAM to VRAM "
-            "between two agents) against raw device copies, every fetched byte compared",
+            "a device pool's hash, seal, verify-on-arrival and verified fetch (same process, "
+            "then NIXL VRAM to VRAM between two agents) against raw device copies (target: "
+            "half their rate), every fetched byte compared",
             ("benchmarks/gpu_pool.py", "--quick", "--out", str(pool)),
             60,
             pool,

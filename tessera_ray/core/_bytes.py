@@ -1,8 +1,10 @@
-"""Zero-copy byte comparison of two host pages.
+"""Comparing, zeroing, copying and viewing whole page rows.
 
 ``memoryview ==`` compares item by item and ``bytes(a) == bytes(b)`` copies both pages; libc
 ``memcmp`` on the two addresses runs near memory bandwidth, which keeps a dedup hit (hash +
-compare) cheap (docs/measured-choices.md).
+compare) cheap (docs/measured-choices.md). Gathers and scatters of rows on a device run on an
+8-byte-word view of the rows (:func:`as_words`): torch moves one element per index step and
+thread, so a ``uint8`` row moves a byte at a time where an ``int64`` row moves eight.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["equal_bytes", "copy_rows", "zero_row"]
+__all__ = ["as_words", "equal_bytes", "copy_rows", "zero_row"]
 
 
 def _load_memcmp() -> Callable[[int, int, int], int] | None:
@@ -27,6 +29,23 @@ def _load_memcmp() -> Callable[[int, int, int], int] | None:
 
 _MEMCMP = _load_memcmp()
 _MEMMOVE = ctypes.memmove
+
+
+def as_words(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``uint8 [n, row_bytes]``) viewed as ``int64 [n, row_bytes // 8]`` when its
+    layout allows (rows of whole, aligned 8-byte words), else ``rows`` itself; the same bytes
+    either way, so a gather or scatter of whole rows may use whichever it gets."""
+    if (
+        rows.dtype == torch.uint8
+        and rows.dim() == 2
+        and rows.shape[1] % 8 == 0
+        and rows.stride(1) == 1
+        and (rows.shape[0] <= 1 or rows.stride(0) % 8 == 0)
+        and rows.storage_offset() % 8 == 0
+        and rows.data_ptr() % 8 == 0
+    ):
+        return rows.view(torch.int64)
+    return rows
 
 
 def equal_bytes(data: torch.Tensor, a: int, b: int) -> bool:
@@ -55,7 +74,8 @@ def copy_rows(dst: torch.Tensor, slots: list[int], src: torch.Tensor) -> None:
     """``dst[slots[i]] = src[i]`` for every row, as few memcpy calls as possible.
 
     Runs of consecutive slots (what a fresh or recently drained free list hands out) become one
-    ``memmove`` each; ``index_copy_`` is the fallback for device memory or non-contiguous input.
+    ``memmove`` each; ``index_copy_`` is the fallback for device memory or non-contiguous input,
+    on 8-byte words into device memory.
     """
     if (
         _MEMMOVE is None
@@ -64,7 +84,12 @@ def copy_rows(dst: torch.Tensor, slots: list[int], src: torch.Tensor) -> None:
         or not src.is_contiguous()
     ):
         index = torch.tensor(slots, dtype=torch.long, device=dst.device)
-        dst.index_copy_(0, index, src.to(dst.device))
+        moved = src.to(dst.device)
+        if dst.device.type != "cpu":
+            wide_dst, wide_src = as_words(dst), as_words(moved)
+            if wide_dst.dtype == wide_src.dtype:
+                dst, moved = wide_dst, wide_src
+        dst.index_copy_(0, index, moved)
         return
     row = dst.shape[1]
     dst_base, src_base = dst.data_ptr(), src.data_ptr()

@@ -119,10 +119,7 @@ class DedupIndex:
     def seal_page(self, rec: PageRecord, namespace: str, handle: PageHandle) -> SealResult:
         """Hash writable ``rec`` and :meth:`seal` it under ``namespace``."""
         ns = self.namespace(namespace)
-        mem, i = self._memory, rec.index
-        host, pb = mem.host, mem.page_bytes
-        page = host[i * pb : (i + 1) * pb] if host is not None else mem.buffer(i)
-        return self.seal(rec, ns, handle, mem.hash(page, self._seeds[ns]))
+        return self.seal(rec, ns, handle, self._memory.hash_row(rec.index, self._seeds[ns]))
 
     def seal_many(
         self, recs: Sequence[PageRecord], handles: Sequence[PageHandle], namespace: str
@@ -131,7 +128,7 @@ class DedupIndex:
         ns = self.namespace(namespace)
         seal, seed, mem = self.seal, self._seeds[ns], self._memory
         fn, host, pb = mem.hash, mem.host, mem.page_bytes
-        if host is None:  # device pages: hashed in batches, not copied out one by one
+        if host is None:  # device pages: hashed in one batch (on the device for the default hash)
             digests = mem.hash_rows([r.index for r in recs], seed)
             return [seal(r, ns, h, d) for r, h, d in zip(recs, handles, digests, strict=True)]
         # Host pages: each hashed in place just before its seal, so a dedup hit compares bytes
@@ -170,8 +167,7 @@ class DedupIndex:
 
     def verify(self, rec: PageRecord) -> bool:
         """Whether sealed ``rec``'s bytes still hash to the digest it was sealed with."""
-        mem = self._memory
-        return bool(mem.hash(mem.buffer(rec.index), self._seeds[rec.namespace]) == rec.digest)
+        return self._memory.hash_row(rec.index, self._seeds[rec.namespace]) == rec.digest
 
     def remove(self, rec: PageRecord) -> str:
         """Forget sealed ``rec`` (it is being evicted); returns its namespace's name."""

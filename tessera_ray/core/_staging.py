@@ -1,10 +1,12 @@
-"""Hashing pages that live in device memory, whose bytes the CPU cannot read in place.
+"""Hashing device pages on the host, for a pool whose content hash is not the default.
 
-A page copied to the host one at a time pays a device synchronisation and a pageable copy per
-page. Instead the pages are gathered on the device and copied to the host in chunks, into two
-pinned buffers used in turn: the copy of one chunk runs while the CPU hashes the previous one.
-The content hash stays the host xxh3 of the page's bytes, the same function seal, verify, dedup
-and the disk tier use for host pools, so a page hashes alike wherever it lives.
+The default hash (xxh3-128) runs on the device itself (``core/_xxh3.py``); an injected hash
+(tests pass weak ones to force collisions) is a Python function of host bytes, so device pages
+are brought to it. A page copied to the host one at a time pays a device synchronisation and a
+pageable copy per page. Instead the pages are gathered on the device and copied to the host in
+chunks, into two pinned buffers used in turn: the copy of one chunk runs while the CPU hashes
+the previous one. The hash stays the function the pool was given, the same one seal, verify
+and dedup use for host pools, so a page hashes alike wherever it lives.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+
+from tessera_ray.core._bytes import as_words
 
 __all__ = ["DeviceHasher", "CHUNK_PAGES"]
 
@@ -53,7 +57,10 @@ class DeviceHasher:
                 chunk = rows[start : start + CHUNK_PAGES]
                 host = self._staging(len(chunk))[n % 2]
                 index = torch.tensor(chunk, dtype=torch.long, device=self.data.device)
-                host.copy_(self.data.index_select(0, index), non_blocking=self.data.is_cuda)
+                src, dst = as_words(self.data), as_words(host)
+                if src.dtype != dst.dtype:
+                    src, dst = self.data, host
+                dst.copy_(src.index_select(0, index), non_blocking=self.data.is_cuda)
                 done = None
                 if self.data.is_cuda:
                     done = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -27,7 +27,7 @@ from tessera_ray.core._bytes import copy_rows
 from tessera_ray.core._dedup import DedupIndex
 from tessera_ray.core._pages import PageTable
 from tessera_ray.core._records import SEALED, PageRecord
-from tessera_ray.core._storage import PageMemory
+from tessera_ray.core._storage import HashPath, PageMemory
 from tessera_ray.core._validate import (
     check_block_size,
     check_page_rows,
@@ -99,6 +99,9 @@ class BlockPool:
         """The content hash this pool seals with (readers verify fetched pages with it)."""
         self._memory = PageMemory(page, config, content_hash)
         self.data = self._memory.data
+        self.words = self._memory.words
+        """``data``'s rows as 8-byte words when ``page_bytes`` allows (else ``data``): what a
+        gather or scatter of whole pages moves, as wide elements copy faster on a device."""
         self._pages = PageTable(self.data, self.region, scrub=config.scrub_freed_pages)
         self._dedup = DedupIndex(fingerprint, self._pages, self._memory)
         self._blocks = BlockIndex()
@@ -250,6 +253,13 @@ class BlockPool:
         its own thread for slots it just wrote and nobody else touches (their bytes are then
         hashed while the copy left them in the CPU's cache)."""
         return self._memory.hash_rows(slots, seed)
+
+    @property
+    def hash_path(self) -> HashPath:
+        """How this pool hashes pages: ``host`` (in place), ``triton`` or ``torch`` (the
+        default hash on the device, into the digest the host computes), ``staged`` (a device
+        pool with an injected hash: pages copied to the host first)."""
+        return self._memory.hash_path
 
     def seal_verified(
         self,

@@ -207,9 +207,9 @@ def _reserve(
         return _Pending(export, pool, [], [], done=done)
     if not len(export):
         return _Pending(export, pool, [], [], done=PageFetchResult((), (), 0))
-    # The read hashes the landed pages only for a host pool that seals with the owner's hash:
-    # a device pool's bytes would be staged page by page to the host, where one batched copy
-    # in _finish does better.
+    # The read hashes the landed pages only for a host pool that seals with the owner's hash,
+    # where they are still in the CPU's cache. A device pool gains nothing from that: _finish
+    # hashes each chunk in one batch on the device (BlockPool.seal_verified).
     seed = (
         content_seed(export.namespace, pool.fingerprint)
         if content_hash is pool.content_hash_fn and pool.data.device.type == "cpu"

@@ -56,9 +56,10 @@ class LocalTransport(Transport):
         if src is None or len(src._pools) <= ticket.group:
             self._done[ticket.id] = (TransferState.FAILED, None)
             return
-        # One gather and one scatter, whatever the number of pages.
-        source = src._pools[ticket.group].data
-        dst = self.pool_of(ticket.group).data
+        # One gather and one scatter, whatever the number of pages, of 8-byte words where the
+        # page size allows (a byte-wide gather on a device moves a byte per element).
+        source = src._pools[ticket.group].words
+        dst = self.pool_of(ticket.group).words
         rows = source.index_select(0, torch.tensor(remote, device=source.device))
         dst.index_copy_(0, torch.tensor(local, device=dst.device), rows.to(dst.device))
         self._done[ticket.id] = (TransferState.DONE, self._hash_landed(ticket, local))

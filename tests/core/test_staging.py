@@ -1,11 +1,15 @@
-"""Device pages are hashed in chunks through two staging buffers (core/_staging.py). The path
-runs here on host tensors with the pool's in-place view taken away, so its indexing, chunking
-and ordering are checked on CPU; tests/core/test_pool_gpu.py runs it on a GPU."""
+"""Device pages of a pool with an injected content hash are hashed in chunks through two staging
+buffers (core/_staging.py). The path runs here on host tensors with the pool's in-place view
+taken away, so its indexing, chunking and ordering are checked on CPU; tests/core/test_pool_gpu.py
+runs it on a GPU. The injected hash computes the default's digests under another function
+object, which is what sends a pool down this path (the default is hashed on the device:
+tests/core/test_xxh3_pool.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 
 from tessera_ray.core import BlockPool, PoolConfig, content_seed
 from tessera_ray.core._staging import CHUNK_PAGES, DeviceHasher
@@ -15,10 +19,16 @@ LAYOUT = preset_layout("deepseek-v3")
 NUM = 2 * CHUNK_PAGES + 7  # two full chunks, a partial one, both buffers reused
 
 
+def _injected(page: memoryview, seed: int) -> int:
+    return xxhash.xxh3_128_intdigest(page, seed)
+
+
 def _pool(as_device: bool) -> BlockPool:
-    pool = BlockPool.for_group(LAYOUT, 0, PoolConfig(num_pages=NUM, pin_memory=False))
+    config = PoolConfig(num_pages=NUM, pin_memory=False)
+    pool = BlockPool.for_group(LAYOUT, 0, config, content_hash=_injected)
     if as_device:
         pool._memory.host = None  # what a CUDA pool has: no in-place host view of its pages
+        assert pool.hash_path == "staged"
     return pool
 
 
