@@ -10,6 +10,7 @@ the device for the default hash, into the same digest; staged to the host for an
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Literal
 
@@ -23,7 +24,7 @@ from tessera_ray.core._xxh3 import rows_qualify, xxh3_128_rows
 from tessera_ray.core.config import PoolConfig, check_fits
 from tessera_ray.core.hashing import ContentHashFn, xxh3_128
 from tessera_ray.core.hostmem import aligned_host_zeros
-from tessera_ray.errors import PageDTypeError, UnknownNameError
+from tessera_ray.errors import PageDTypeError, PoolError, UnknownNameError
 from tessera_ray.layout import PageSpec
 
 __all__ = ["HashPath", "PageMemory", "device_hash_path", "kernel_available", "page_storage"]
@@ -34,9 +35,17 @@ copied from the device to the host in chunks (``core/_staging.py``), then the sa
 ``torch``/``triton`` the default hash computed on the device (``core/_xxh3.py``)."""
 
 
+log = logging.getLogger(__name__)
+_kernel_failure: list[str] = []
+"""Why the Triton kernel failed to compile or run in this process (then torch ops hash)."""
+
+
 @functools.cache
 def kernel_available() -> bool:
-    """Whether the Triton kernel of the device hash imports (Triton is an optional extra)."""
+    """Whether the Triton kernel of the device hash imports (Triton is an optional extra) and
+    has not failed in this process."""
+    if _kernel_failure:
+        return False
     try:
         import tessera_ray.core._xxh3_kernel  # noqa: F401
     except (ImportError, OSError, RuntimeError):  # absent, or present without a usable backend
@@ -77,6 +86,14 @@ def page_storage(config: PoolConfig, page_bytes: int) -> tuple[torch.Tensor, mem
         data = aligned_host_zeros(config.num_pages, page_bytes)
     host = None if config.is_cuda else data.numpy().reshape(-1).data
     return data, host
+
+
+def _kernel_failed(exc: Exception) -> None:
+    # Same digest either way, so a kernel that will not build costs speed, never correctness.
+    if not _kernel_failure:
+        _kernel_failure.append(f"{type(exc).__name__}: {exc}")
+        log.warning("the Triton device hash failed (%s); hashing with torch ops", exc)
+    kernel_available.cache_clear()
 
 
 class PageMemory:
@@ -133,8 +150,16 @@ class PageMemory:
         if host is not None:
             return [fn(host[s * pb : (s + 1) * pb], seed) for s in slots]
         path = self.hash_path
+        if path == "triton":
+            try:
+                return xxh3_128_rows(self.data, slots, seed, kernel=True)
+            except PoolError:  # bad input, refused before any launch
+                raise
+            except Exception as exc:  # a Triton that imports but cannot compile here
+                _kernel_failed(exc)
+                path = "torch"
         if path != "staged":
-            return xxh3_128_rows(self.data, slots, seed, kernel=path == "triton")
+            return xxh3_128_rows(self.data, slots, seed)
         if self._hasher is None:
             self._hasher = DeviceHasher(self.data, fn)
         return self._hasher.hash_rows(slots, seed)

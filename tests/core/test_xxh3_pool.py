@@ -140,3 +140,38 @@ def test_copy_rows_still_writes_every_row_from_any_input() -> None:
     copy_rows(dst, [4, 1], src)
     assert torch.equal(dst[4], src[0]) and torch.equal(dst[1], src[1])
     assert int(dst[[0, 2, 3, 5]].count_nonzero()) == 0
+
+
+def test_a_kernel_that_fails_to_run_falls_back_to_torch_with_the_same_digest(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import tessera_ray.core._storage as storage
+
+    calls: list[bool] = []
+    real = storage.xxh3_128_rows
+
+    def kernel_breaks(data: torch.Tensor, slots: list[int], seed: int, *, kernel: bool = False):  # type: ignore[no-untyped-def]
+        calls.append(kernel)
+        if kernel:
+            raise RuntimeError("no compiler for this GPU")
+        return real(data, slots, seed)
+
+    monkeypatch.setattr(storage, "xxh3_128_rows", kernel_breaks)
+    # As on a CUDA device where Triton imports: the kernel, while it has not failed.
+    monkeypatch.setattr(
+        storage, "device_hash_path", lambda *a: "torch" if storage._kernel_failure else "triton"
+    )
+    monkeypatch.setattr(storage, "_kernel_failure", [])
+    storage.kernel_available.cache_clear()
+    pool, host = _pool(3, as_device=True), _pool(3, as_device=False)
+    data = _pages(3, 5)
+    with caplog.at_level("WARNING", logger=storage.__name__):
+        sealed = pool.seal_many(pool.write_many(pool.allocate_many(3), data), "t")
+        again = pool.hash_pages([0, 1, 2], content_seed("t", LAYOUT.fingerprint))
+    expected = host.seal_many(host.write_many(host.allocate_many(3), data), "t")
+    assert [r.content_hash for r in sealed] == [r.content_hash for r in expected]
+    assert again == [int(r.content_hash) for r in expected]
+    assert calls == [True, False, False]  # tried once, then torch from then on
+    assert storage._kernel_failure and not storage.kernel_available()
+    assert sum("Triton device hash failed" in r.message for r in caplog.records) == 1
+    storage.kernel_available.cache_clear()
