@@ -54,6 +54,7 @@ __all__ = [
     "needs_engine_venv",
     "MEASURES",
     "source_commit",
+    "archived_commit",
     "spread",
 ]
 
@@ -251,11 +252,26 @@ def measured_paths(benchmark: str) -> list[str]:
     return [f"benchmarks/{script}", "benchmarks/common.py", *MEASURES[benchmark]]
 
 
+def archived_commit(root: Path = ROOT) -> str | None:
+    """The commit an unpacked ``git archive`` of this repository was made from (the GPU
+    bundle's checkout: ``benchmarks/gpu_bundle.sh``), ``None`` in a clone. ``git archive``
+    writes it into ``benchmarks/archive_commit.txt`` (``export-subst`` in .gitattributes)."""
+    try:
+        text = (root / "benchmarks" / "archive_commit.txt").read_text().strip()
+    except OSError:
+        return None
+    return None if text.startswith("$Format") else text[:12]
+
+
 def source_commit(paths: list[str], root: Path = ROOT) -> str | None:
     """``git describe --always`` of the checkout, ``-dirty`` when any of ``paths`` has changes
     not committed (untracked files under them included): the code a run measured. Changes
     elsewhere (results written by an earlier benchmark of the same ``make bench``) do not
-    count. ``None`` outside a git checkout."""
+    count. In an unpacked archive, the commit it was made from (even where the archive lies
+    inside some other git checkout); ``None`` outside both."""
+    archived = archived_commit(root)
+    if archived is not None:
+        return archived
 
     def git(*argv: str) -> str:
         done = subprocess.run(
