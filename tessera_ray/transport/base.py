@@ -17,6 +17,11 @@ thread that copied it, right after its bytes arrived, while they are still in th
 and :meth:`wait` returns the digests. Hashing there costs about half of hashing the same pages
 after the whole read (they have left the cache by then). The transport only computes; the
 caller compares the digests with what the owner exported and decides what is trusted.
+
+A transport that knows its Ray node (``node``) reads a peer on the same node through that
+peer's mapped pool memory instead of its backend (:mod:`~tessera_ray.transport._mapped`,
+``TransportConfig.same_node``): the same tickets, the same hashing of what landed, a copy in
+place of a network transfer. :meth:`Transport.carrier` says which path a peer's reads take.
 """
 
 from __future__ import annotations
@@ -30,7 +35,19 @@ from numbers import Integral
 from typing import Any
 
 from tessera_ray.core import BlockPool
-from tessera_ray.errors import TransportConfigError, TransportError
+from tessera_ray.errors import (
+    PeerMappingError,
+    TransferFailedError,
+    TransportConfigError,
+    TransportError,
+)
+from tessera_ray.transport._mapped import (
+    MAPPED,
+    MappedPeer,
+    MemoryShare,
+    open_same_node,
+    share_pools,
+)
 from tessera_ray.transport.config import TransportConfig
 
 __all__ = [
@@ -90,6 +107,12 @@ class PeerInfo:
     """One per registered pool, in layer-group order (a read's ``group`` indexes it)."""
     metadata: bytes = b""
     """Backend connection data (NIXL agent metadata, with the registered memory)."""
+    node: str | None = None
+    """Ray node id of the owner's process; ``None``: unknown (never read through mapped
+    memory)."""
+    mappings: tuple[MemoryShare | None, ...] = ()
+    """Per layer group, how a process on the owner's node maps its pool memory (a shared-memory
+    slab, a CUDA IPC handle); ``None`` where it cannot."""
     endpoint: Any = field(default=None, compare=False)
     """Where to ask for bytes when reads are not one-sided (the Ray fallback: the owner's actor
     handle); ``None`` otherwise."""
@@ -106,6 +129,8 @@ class TransferTicket:
     nbytes: int
     hash_seed: int | None = None
     """Seed of the content hashes the read takes of the pages it landed; ``None``: none."""
+    mapped: bool = False
+    """Carried through the peer's mapped memory (:meth:`Transport.carrier`), not the backend."""
 
 
 _TICKET_IDS = itertools.count(1)
@@ -117,13 +142,30 @@ class Transport(ABC):
     kind: str = ""
     capabilities: TransportCapabilities
 
-    def __init__(self, config: TransportConfig, *, name: str) -> None:
+    def __init__(self, config: TransportConfig, *, name: str, node: str | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise TransportConfigError(f"a transport needs a non-empty unique name, got {name!r}")
+        if node is not None and (not isinstance(node, str) or not node):
+            raise TransportConfigError(f"node must be a Ray node id or None, got {node!r}")
+        if config.same_node == MAPPED and node is None:
+            raise TransportConfigError(
+                "same_node='mapped' needs the Ray node this transport runs on (node=...)"
+            )
         self.config = config
         self.name = name
+        self.node = node
+        """Ray node id of this process (``None``: unknown, every read takes the backend)."""
         self._pools: tuple[BlockPool, ...] = ()
+        self._shares: tuple[MemoryShare | None, ...] = ()
         self._peers: dict[str, PeerInfo] = {}
+        self._mapped: dict[str, MappedPeer] = {}
+        self._mapped_done: dict[int, tuple[int, ...] | str | None] = {}
+        """Per mapped read not yet settled: its digests (``None``: not hashed), or why it
+        failed."""
+        self.mapped_reads = 0
+        """Reads (tickets) that completed through a peer's mapped memory."""
+        self.mapped_bytes = 0
+        """Bytes those reads copied."""
         self._closed = False
 
     # ----------------------------------------------------------------- set-up
@@ -150,6 +192,8 @@ class Transport(ABC):
             raise TransportConfigError("a pool tensor must be contiguous to be registered")
         self._register(group)
         self._pools = group
+        if self.capabilities.cross_process:  # in-process peers copy directly, nothing to map
+            self._shares = share_pools(group)
         return self.peer_info()
 
     @property
@@ -180,11 +224,15 @@ class Transport(ABC):
                 for p in pools
             ),
             metadata=self._metadata(),
+            node=self.node,
+            mappings=self._shares,
             endpoint=self._endpoint(),
         )
 
     def add_peers(self, peers: Sequence[PeerInfo]) -> None:
-        """Make each peer readable (idempotent for a peer already known with equal info)."""
+        """Make each peer readable (idempotent for a peer already known with equal info; a
+        peer known with other info, a restarted one, is removed and added again). A peer on
+        this transport's node is mapped here, once (see the module docstring)."""
         for info in peers:
             if info.kind != self.kind:
                 raise TransportConfigError(
@@ -193,20 +241,43 @@ class Transport(ABC):
                 )
             if info.name == self.name:
                 raise TransportConfigError(f"peer {info.name!r} is this transport itself")
+            if self.config.same_node == MAPPED and info.node != self.node:
+                open_same_node(MAPPED, self.node, self.kind, info)  # raises, naming the nodes
         for info in peers:
             known = self._peers.get(info.name)
             if known == info:
                 continue
             if known is not None:
                 self.remove_peers([info.name])
-            self._add_peer(info)
+            mapped = None
+            if self.capabilities.cross_process:
+                mapped = open_same_node(self.config.same_node, self.node, self.kind, info)
+            try:
+                self._add_peer(info)
+            except BaseException:
+                if mapped is not None:
+                    mapped.close()
+                raise
             self._peers[info.name] = info
+            if mapped is not None:
+                self._mapped[info.name] = mapped
 
     def remove_peers(self, names: Sequence[str]) -> None:
-        """Forget peers (a dead or restarted pool); unknown names are ignored."""
+        """Forget peers (a dead or restarted pool), unmapping their memory; unknown names are
+        ignored."""
         for name in names:
             if self._peers.pop(name, None) is not None:
+                mapped = self._mapped.pop(name, None)
+                if mapped is not None:
+                    mapped.close()
                 self._remove_peer(name)
+
+    def carrier(self, peer: str) -> str:
+        """What carries reads from ``peer``: ``"mapped"`` (its memory, mapped here) or this
+        transport's kind (its backend)."""
+        if peer not in self._peers:
+            raise TransportError(f"unknown peer {peer!r}; add_peers() its PeerInfo first")
+        return MAPPED if peer in self._mapped else self.kind
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -282,6 +353,7 @@ class Transport(ABC):
             isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or hash_seed < 0
         ):
             raise TransportConfigError(f"hash_seed must be an int >= 0, got {hash_seed!r}")
+        mapped = self._mapped.get(peer)
         tickets = [
             TransferTicket(
                 next(_TICKET_IDS),
@@ -290,11 +362,44 @@ class Transport(ABC):
                 len(local),
                 len(local) * pool.page_bytes,
                 hash_seed,
+                mapped is not None,
             )
             for _, local in lists
         ]
-        self._start_many(tickets, info, lists)
+        if mapped is not None:
+            self._read_mapped(mapped, tickets, lists)
+        else:
+            self._start_many(tickets, info, lists)
         return tickets
+
+    def _read_mapped(
+        self,
+        mapped: MappedPeer,
+        tickets: list[TransferTicket],
+        lists: list[tuple[list[int], list[int]]],
+    ) -> None:
+        """Copy every part out of the peer's mapped memory now, each request of about
+        ``hash_chunk_bytes`` hashed right after it landed (still in cache). A part fails
+        whole when the owner is found gone after its copy: its bytes may be a dead pool's."""
+        pool = self.pool_of(tickets[0].group)
+        for ticket, (remote, local) in zip(tickets, lists, strict=True):
+            step = len(local) or 1
+            if ticket.hash_seed is not None and self.config.hash_chunk_bytes:
+                step = max(1, self.config.hash_chunk_bytes // pool.page_bytes)
+            digests: list[int] = []
+            try:
+                for a in range(0, len(local), step):
+                    mapped.copy(ticket.group, remote[a : a + step], pool.data, local[a : a + step])
+                    digests += self._hash_landed(ticket, local[a : a + step]) or ()
+                if not mapped.alive():
+                    mapped.close()  # its memory is freed once nobody maps it
+                    raise PeerMappingError("its owner process is gone")
+            except PeerMappingError as e:
+                self._mapped_done[ticket.id] = str(e)
+                continue
+            self._mapped_done[ticket.id] = tuple(digests) if ticket.hash_seed is not None else None
+            self.mapped_reads += 1
+            self.mapped_bytes += ticket.nbytes
 
     def wait(
         self, ticket: TransferTicket, timeout_s: float | None = None
@@ -304,16 +409,37 @@ class Transport(ABC):
         timeout or failure the backend request is released (aborted) and
         :class:`TransferTimeoutError` / :class:`TransferFailedError` raised; either way the
         ticket is settled."""
+        if ticket.mapped:
+            return self._settle_mapped(ticket)
         return self._wait(ticket, self.config.timeout_s if timeout_s is None else timeout_s)
 
-    @abstractmethod
     def poll(self, ticket: TransferTicket) -> TransferState:
         """The read's state now, without blocking (settle it with :meth:`wait`)."""
+        if not ticket.mapped:
+            return self._poll(ticket)
+        if ticket.id not in self._mapped_done:
+            raise TransportError(f"ticket {ticket.id} is unknown or already settled")
+        failed = isinstance(self._mapped_done[ticket.id], str)
+        return TransferState.FAILED if failed else TransferState.DONE
 
-    @abstractmethod
     def abort(self, ticket: TransferTicket) -> bool:
         """Cancel and settle the read. True when no byte can land in the local slots after
         this returns; False when the backend could not cancel (keep those slots out of use)."""
+        if not ticket.mapped:
+            return self._abort(ticket)
+        self._mapped_done.pop(ticket.id, None)  # copied before read_many returned: nothing late
+        return True
+
+    def _settle_mapped(self, ticket: TransferTicket) -> tuple[int, ...] | None:
+        if ticket.id not in self._mapped_done:
+            raise TransportError(f"ticket {ticket.id} is unknown or already settled")
+        outcome = self._mapped_done.pop(ticket.id)
+        if isinstance(outcome, str):
+            raise TransferFailedError(
+                f"mapped read {ticket.id} of {ticket.num_pages} pages from {ticket.peer!r} "
+                f"failed: {outcome}; fetch from another replica"
+            )
+        return outcome
 
     def close(self) -> None:
         """Release backend resources (peers, registration). Idempotent."""
@@ -373,6 +499,14 @@ class Transport(ABC):
     @abstractmethod
     def _wait(self, ticket: TransferTicket, timeout_s: float) -> tuple[int, ...] | None:
         """Settle the read; returns :meth:`_hash_landed` of its slots when it hashes."""
+
+    @abstractmethod
+    def _poll(self, ticket: TransferTicket) -> TransferState:
+        """:meth:`poll` of a read the backend carries."""
+
+    @abstractmethod
+    def _abort(self, ticket: TransferTicket) -> bool:
+        """:meth:`abort` of a read the backend carries."""
 
     def _hash_landed(self, ticket: TransferTicket, local: Sequence[int]) -> tuple[int, ...] | None:
         """The content hashes of local pages ``local`` of the ticket's group, if it hashes
