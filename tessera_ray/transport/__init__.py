@@ -1,9 +1,10 @@
 """Moving pages between workers: NIXL one-sided reads, a local copy, the Ray object store.
 
-Set-up, once per pool: ``t = make_transport(config, name=...)``, ``info = t.register(pool)``,
-publish ``info``; each reader calls ``t.add_peers([...])``. With ``node=`` (the Ray node id),
-peers on the same node are read through their mapped memory (``TransportConfig.same_node``). A fetch: the owner pins the pages
-and returns :func:`export_pages`; the reader calls :func:`fetch_verified`; the owner unpins.
+Set-up, once per pool: ``t = make_transport(config, name=..., node=...)``, ``info =
+t.register(pool)``, publish ``info``; each reader calls ``t.add_peers([...])``. With ``node``
+(the Ray node id), peers on the same node are read through their mapped memory
+(``TransportConfig.same_node``). A fetch: the owner pins the pages and returns
+:func:`export_pages`; the reader calls :func:`fetch_verified`; the owner unpins.
 """
 
 from tessera_ray.transport._mapped import DeviceShare, MemoryShare
