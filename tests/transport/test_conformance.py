@@ -51,9 +51,7 @@ class TestMappedSameNodeInProcess(TransportConformance):
 
     @classmethod
     def make_owner(cls, **kw: Any) -> Any:
-        return Node(
-            "nixl", unique("mapped-owner"), node=cls.NODE, shared_memory_dir=SHM, **kw
-        )
+        return Node("nixl", unique("mapped-owner"), node=cls.NODE, shared_memory_dir=SHM, **kw)
 
     @pytest.fixture
     def pair(self, owner: Any) -> Any:
