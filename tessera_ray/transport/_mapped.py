@@ -169,10 +169,12 @@ class MappedPeer:
     def alive(self) -> bool:
         """Whether the owner still holds its memory. Host pools answer by the slab's lock; a
         device share cannot tell, and its reads rest on verification alone."""
+        if not self._groups or self._groups[0] is None:
+            return False  # closed
         for src in self._groups:
             if isinstance(src, SlabMapping):
                 return src.owner_alive()
-        return bool(self._groups)
+        return True
 
     def close(self) -> None:
         """Unmap everything (idempotent): a dead owner's memory is freed once no reader maps

@@ -183,14 +183,15 @@ class ActorProxy:
         return lambda *a, **kw: ray.get(method.remote(*a, **kw), timeout=60)
 
 
-def node_actor(kind: str, name: str, **kw: Any) -> ActorProxy:
+def node_actor(kind: str, name: str, *, on_node: str | None = None, **kw: Any) -> ActorProxy:
+    """A :class:`Node` in a Ray actor of its own (``on_node``: pinned to that Ray node)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actor = (
-        ray.remote(Node)
-        .options(num_cpus=0)  # UCX_MODULES and PYTHONPATH come from the job (conftest)
-        .remote(kind, name, in_actor=True, **kw)
-    )
+    options: dict[str, Any] = {"num_cpus": 0}  # UCX_MODULES, PYTHONPATH: from the job (conftest)
+    if on_node is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(on_node, soft=False)
+    actor = ray.remote(Node).options(**options).remote(kind, name, in_actor=True, **kw)
     proxy = ActorProxy(actor)
     proxy.stats()  # wait until constructed: errors surface here
     return proxy
