@@ -57,7 +57,9 @@ def test_same_node_reads_are_copies_out_of_the_mapping_other_nodes_use_nixl(
 ) -> None:
     owner = _owner(shm_dir, "node-a")
     near = Node("nixl", unique("near"), node="node-a")
-    far = Node("nixl", unique("far"), node="node-b")
+    # NIXL registers a shared-memory pool like any other: the far reader lands its reads in
+    # one (and reads the owner's out of one).
+    far = Node("nixl", unique("far"), node="node-b", shared_memory_dir=shm_dir)
     unknown = Node("nixl", unique("unplaced"))  # no node given: never maps
     info = owner.peer_info()
     assert info.node == "node-a" and isinstance(info.mappings[0], SlabInfo)
