@@ -35,19 +35,9 @@ from numbers import Integral
 from typing import Any
 
 from tessera_ray.core import BlockPool
-from tessera_ray.errors import (
-    PeerMappingError,
-    TransferFailedError,
-    TransportConfigError,
-    TransportError,
-)
-from tessera_ray.transport._mapped import (
-    MAPPED,
-    MappedPeer,
-    MemoryShare,
-    open_same_node,
-    share_pools,
-)
+from tessera_ray.errors import TransportConfigError, TransportError
+from tessera_ray.transport._mapped import MAPPED, MemoryShare, open_same_node, share_pools
+from tessera_ray.transport._mapped_reads import MappedReads
 from tessera_ray.transport.config import TransportConfig
 
 __all__ = [
@@ -158,14 +148,7 @@ class Transport(ABC):
         self._pools: tuple[BlockPool, ...] = ()
         self._shares: tuple[MemoryShare | None, ...] = ()
         self._peers: dict[str, PeerInfo] = {}
-        self._mapped: dict[str, MappedPeer] = {}
-        self._mapped_done: dict[int, tuple[int, ...] | str | None] = {}
-        """Per mapped read not yet settled: its digests (``None``: not hashed), or why it
-        failed."""
-        self.mapped_reads = 0
-        """Reads (tickets) that completed through a peer's mapped memory."""
-        self.mapped_bytes = 0
-        """Bytes those reads copied."""
+        self._mapped = MappedReads(name, self._hash_landed, config.hash_chunk_bytes)
         self._closed = False
 
     # ----------------------------------------------------------------- set-up
@@ -260,16 +243,14 @@ class Transport(ABC):
                 raise
             self._peers[info.name] = info
             if mapped is not None:
-                self._mapped[info.name] = mapped
+                self._mapped.add(info.name, mapped)
 
     def remove_peers(self, names: Sequence[str]) -> None:
         """Forget peers (a dead or restarted pool), unmapping their memory; unknown names are
         ignored."""
         for name in names:
             if self._peers.pop(name, None) is not None:
-                mapped = self._mapped.pop(name, None)
-                if mapped is not None:
-                    mapped.close()
+                self._mapped.remove(name)
                 self._remove_peer(name)
 
     def carrier(self, peer: str) -> str:
@@ -277,7 +258,17 @@ class Transport(ABC):
         transport's kind (its backend)."""
         if peer not in self._peers:
             raise TransportError(f"unknown peer {peer!r}; add_peers() its PeerInfo first")
-        return MAPPED if peer in self._mapped else self.kind
+        return MAPPED if peer in self._mapped.peers else self.kind
+
+    @property
+    def mapped_reads(self) -> int:
+        """Reads (tickets) that completed through a peer's mapped memory."""
+        return self._mapped.reads
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes those reads copied."""
+        return self._mapped.bytes
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -353,7 +344,7 @@ class Transport(ABC):
             isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or hash_seed < 0
         ):
             raise TransportConfigError(f"hash_seed must be an int >= 0, got {hash_seed!r}")
-        mapped = self._mapped.get(peer)
+        mapped = peer in self._mapped.peers
         tickets = [
             TransferTicket(
                 next(_TICKET_IDS),
@@ -362,44 +353,15 @@ class Transport(ABC):
                 len(local),
                 len(local) * pool.page_bytes,
                 hash_seed,
-                mapped is not None,
+                mapped,
             )
             for _, local in lists
         ]
-        if mapped is not None:
-            self._read_mapped(mapped, tickets, lists)
+        if mapped:
+            self._mapped.start(tickets, lists, pool.data)
         else:
             self._start_many(tickets, info, lists)
         return tickets
-
-    def _read_mapped(
-        self,
-        mapped: MappedPeer,
-        tickets: list[TransferTicket],
-        lists: list[tuple[list[int], list[int]]],
-    ) -> None:
-        """Copy every part out of the peer's mapped memory now, each request of about
-        ``hash_chunk_bytes`` hashed right after it landed (still in cache). A part fails
-        whole when the owner is found gone after its copy: its bytes may be a dead pool's."""
-        pool = self.pool_of(tickets[0].group)
-        for ticket, (remote, local) in zip(tickets, lists, strict=True):
-            step = len(local) or 1
-            if ticket.hash_seed is not None and self.config.hash_chunk_bytes:
-                step = max(1, self.config.hash_chunk_bytes // pool.page_bytes)
-            digests: list[int] = []
-            try:
-                for a in range(0, len(local), step):
-                    mapped.copy(ticket.group, remote[a : a + step], pool.data, local[a : a + step])
-                    digests += self._hash_landed(ticket, local[a : a + step]) or ()
-                if not mapped.alive():
-                    mapped.close()  # its memory is freed once nobody maps it
-                    raise PeerMappingError("its owner process is gone")
-            except PeerMappingError as e:
-                self._mapped_done[ticket.id] = str(e)
-                continue
-            self._mapped_done[ticket.id] = tuple(digests) if ticket.hash_seed is not None else None
-            self.mapped_reads += 1
-            self.mapped_bytes += ticket.nbytes
 
     def wait(
         self, ticket: TransferTicket, timeout_s: float | None = None
@@ -409,43 +371,26 @@ class Transport(ABC):
         timeout or failure the backend request is released (aborted) and
         :class:`TransferTimeoutError` / :class:`TransferFailedError` raised; either way the
         ticket is settled."""
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
         if ticket.mapped:
-            return self._settle_mapped(ticket)
-        return self._wait(ticket, self.config.timeout_s if timeout_s is None else timeout_s)
+            return self._mapped.wait(ticket, timeout_s)
+        return self._wait(ticket, timeout_s)
 
     def poll(self, ticket: TransferTicket) -> TransferState:
         """The read's state now, without blocking (settle it with :meth:`wait`)."""
-        if not ticket.mapped:
-            return self._poll(ticket)
-        if ticket.id not in self._mapped_done:
-            raise TransportError(f"ticket {ticket.id} is unknown or already settled")
-        failed = isinstance(self._mapped_done[ticket.id], str)
-        return TransferState.FAILED if failed else TransferState.DONE
+        return self._mapped.poll(ticket) if ticket.mapped else self._poll(ticket)
 
     def abort(self, ticket: TransferTicket) -> bool:
         """Cancel and settle the read. True when no byte can land in the local slots after
         this returns; False when the backend could not cancel (keep those slots out of use)."""
-        if not ticket.mapped:
-            return self._abort(ticket)
-        self._mapped_done.pop(ticket.id, None)  # copied before read_many returned: nothing late
-        return True
-
-    def _settle_mapped(self, ticket: TransferTicket) -> tuple[int, ...] | None:
-        if ticket.id not in self._mapped_done:
-            raise TransportError(f"ticket {ticket.id} is unknown or already settled")
-        outcome = self._mapped_done.pop(ticket.id)
-        if isinstance(outcome, str):
-            raise TransferFailedError(
-                f"mapped read {ticket.id} of {ticket.num_pages} pages from {ticket.peer!r} "
-                f"failed: {outcome}; fetch from another replica"
-            )
-        return outcome
+        return self._mapped.abort(ticket) if ticket.mapped else self._abort(ticket)
 
     def close(self) -> None:
         """Release backend resources (peers, registration). Idempotent."""
         if self._closed:
             return
         self.remove_peers(list(self._peers))
+        self._mapped.close()
         self._close()
         self._closed = True
 

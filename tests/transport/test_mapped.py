@@ -217,3 +217,33 @@ def test_make_transport_passes_the_node() -> None:
     t.close()
     with pytest.raises(TransportConfigError, match="node must be"):
         make_transport(TransportConfig(kind="nixl"), node="")
+
+
+def test_a_split_fetch_runs_its_parts_back_to_back_on_the_transport_thread(
+    shm_dir: str,
+) -> None:
+    """A fetch split into parts (``fetch_chunk_bytes``) hands them to the transport's own
+    thread, one after the other, while the caller verifies the parts already landed."""
+    owner = _owner(shm_dir, "node-a")
+    reader = Node("nixl", unique("reader"), node="node-a", fetch_chunk_bytes=3 * 4096)
+    reader.add_peers([owner.peer_info()])
+    _fetch_ok(owner, reader, 10)  # parts of 3, 3, 3 and 1 pages
+    assert reader.mapped_counts() == (4, 10 * 4096)
+    # Parts started together settle each on its own wait or abort.
+    lease, export, data = owner.put(6)
+    local = reader.pool.allocate_many(6)
+    slots = [int(reader.pool.slot(h)) for h in local]
+    remote = list(export.slots)
+    parts = [(remote[:2], slots[:2]), (remote[2:4], slots[2:4]), (remote[4:], slots[4:])]
+    tickets = reader.transport.read_many(export.peer, parts)
+    assert all(t.mapped for t in tickets)
+    assert reader.transport.abort(tickets[2]) is True
+    with pytest.raises(TransportError, match="settled"):
+        reader.transport.wait(tickets[2], timeout_s=5)
+    for t in tickets[:2]:
+        assert reader.transport.wait(t, timeout_s=5) is None  # not asked to hash
+    assert reader.read_pages(local[:4]) == data[:4]
+    reader.pool.release_many(local)
+    owner.unpin(lease)
+    reader.close()
+    owner.close()
