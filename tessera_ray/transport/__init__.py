@@ -7,7 +7,7 @@ t.register(pool)``, publish ``info``; each reader calls ``t.add_peers([...])``. 
 :func:`export_pages`; the reader calls :func:`fetch_verified`; the owner unpins.
 """
 
-from tessera_ray.transport._mapped import DeviceShare, MemoryShare
+from tessera_ray.transport._records import DeviceShare, MemoryShare
 from tessera_ray.transport.base import (
     PeerInfo,
     PoolRegion,

@@ -20,8 +20,6 @@ import logging
 import secrets
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,33 +27,16 @@ from tessera_ray.core import BlockPool
 from tessera_ray.core.shm import SlabInfo, SlabMapping, slab_of
 from tessera_ray.errors import PeerMappingError, TransportConfigError
 from tessera_ray.transport._fallbacks import count_fallback
+from tessera_ray.transport._records import DeviceShare, MemoryShare, PeerInfo, PoolRegion
 from tessera_ray.transport._rows import gather_rows, scatter_rows
 
-if TYPE_CHECKING:
-    from tessera_ray.transport.base import PeerInfo, PoolRegion
-
-__all__ = ["DeviceShare", "MemoryShare", "MappedPeer", "share_pools", "open_same_node", "MAPPED"]
+__all__ = ["MappedPeer", "share_pools", "open_same_node", "MAPPED"]
 
 log = logging.getLogger("tessera_ray.transport")
 
 MAPPED = "mapped"
 """What :meth:`Transport.carrier` answers for a peer read through its mapped memory."""
 
-
-@dataclass(frozen=True, kw_only=True)
-class DeviceShare:
-    """A device pool tensor as another process opens it (CUDA IPC, through torch's tensor
-    sharing). Equal when the token is: the handle is opaque."""
-
-    token: str
-    device: str
-    num_pages: int
-    page_bytes: int
-    handle: tuple[Any, ...] = field(compare=False, repr=False)
-    """The arguments of torch's ``rebuild_cuda_tensor`` for the pool tensor."""
-
-
-MemoryShare = SlabInfo | DeviceShare
 
 _SHARED_HERE: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 """Device tensors this process shared, by token: a reader in the owner's own process uses the

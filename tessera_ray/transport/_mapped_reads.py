@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,15 +26,13 @@ from tessera_ray.errors import (
     TransportError,
 )
 from tessera_ray.transport._mapped import MappedPeer
-
-if TYPE_CHECKING:
-    from tessera_ray.transport.base import TransferState, TransferTicket
+from tessera_ray.transport._records import TransferState, TransferTicket
 
 __all__ = ["MappedReads"]
 
 Digests = tuple[int, ...] | None
-HashLanded = Callable[["TransferTicket", Sequence[int]], Digests]
-_Job = tuple["TransferTicket", list[int], list[int], "Future[Digests]"]
+HashLanded = Callable[[TransferTicket, Sequence[int]], Digests]
+_Job = tuple[TransferTicket, list[int], list[int], "Future[Digests]"]
 
 
 class MappedReads:
@@ -141,8 +138,6 @@ class MappedReads:
             self._jobs.pop(ticket.id, None)
 
     def poll(self, ticket: TransferTicket) -> TransferState:
-        from tessera_ray.transport.base import TransferState
-
         future = self._job(ticket)
         if not future.done():
             return TransferState.PENDING
