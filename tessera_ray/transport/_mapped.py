@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -96,7 +97,12 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
 
 
 class MappedPeer:
-    """One peer's pools, mapped into this process; see the module docstring."""
+    """One peer's pools, mapped into this process; see the module docstring.
+
+    A copy and closing the mapping exclude each other (``_lock``): a read that finds the owner
+    gone closes the mapping on the transport's thread while another read of the same peer may
+    be copying on the caller's, and a copy out of memory already unmapped would crash the
+    process, where a copy out of a closed mapping is only a failed read."""
 
     def __init__(
         self, name: str, regions: Sequence[PoolRegion], shares: Sequence[MemoryShare | None]
@@ -107,6 +113,7 @@ class MappedPeer:
                 f"{len(regions)} layer groups (private pool memory: shared_memory_dir=None?)"
             )
         self.name = name
+        self._lock = threading.Lock()
         self._groups: list[SlabMapping | torch.Tensor | None] = []
         try:
             for region, share in zip(regions, shares, strict=True):
@@ -126,6 +133,10 @@ class MappedPeer:
     def copy(self, group: int, remote: list[int], dst: torch.Tensor, local: list[int]) -> None:
         """Copy the peer's pages ``remote`` of layer group ``group`` into rows ``local`` of
         ``dst``; done when it returns. Raises :class:`PeerMappingError` once closed."""
+        with self._lock:
+            self._copy(group, remote, dst, local)
+
+    def _copy(self, group: int, remote: list[int], dst: torch.Tensor, local: list[int]) -> None:
         src = self._groups[group] if group < len(self._groups) else None
         if src is None or (isinstance(src, SlabMapping) and src.closed):
             raise PeerMappingError(f"the mapping of peer {self.name!r} is closed")
@@ -150,20 +161,22 @@ class MappedPeer:
     def alive(self) -> bool:
         """Whether the owner still holds its memory. Host pools answer by the slab's lock; a
         device share cannot tell, and its reads rest on verification alone."""
-        if not self._groups or self._groups[0] is None:
-            return False  # closed
-        for src in self._groups:
-            if isinstance(src, SlabMapping):
-                return src.owner_alive()
-        return True
+        with self._lock:
+            if not self._groups or self._groups[0] is None:
+                return False  # closed
+            for src in self._groups:
+                if isinstance(src, SlabMapping):
+                    return src.owner_alive()
+            return True
 
     def close(self) -> None:
         """Unmap everything (idempotent): a dead owner's memory is freed once no reader maps
         it."""
-        for src in self._groups:
-            if isinstance(src, SlabMapping):
-                src.close()
-        self._groups = [None] * len(self._groups)
+        with self._lock:
+            for src in self._groups:
+                if isinstance(src, SlabMapping):
+                    src.close()
+            self._groups = [None] * len(self._groups)
 
 
 def open_same_node(mode: str, node: str | None, kind: str, info: PeerInfo) -> MappedPeer | None:

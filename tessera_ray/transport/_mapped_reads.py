@@ -13,6 +13,7 @@ aborted never runs; one running finishes its copy first, which takes no longer t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -46,6 +47,7 @@ class MappedReads:
         self.peers: dict[str, MappedPeer] = {}
         self._jobs: dict[int, Future[Digests]] = {}
         self._io: ThreadPoolExecutor | None = None
+        self._counts = threading.Lock()  # both threads count
         self.reads = 0
         """Reads (tickets) that completed through a peer's mapped memory."""
         self.bytes = 0
@@ -114,8 +116,9 @@ class MappedReads:
         if not peer.alive():
             peer.close()  # its memory is freed once nobody maps it
             raise PeerMappingError("its owner process is gone")
-        self.reads += 1
-        self.bytes += ticket.nbytes
+        with self._counts:
+            self.reads += 1
+            self.bytes += ticket.nbytes
         return tuple(digests) if ticket.hash_seed is not None else None
 
     def _job(self, ticket: TransferTicket) -> Future[Digests]:
