@@ -33,6 +33,10 @@ hashes as many other bytes: on this VM they take nearly the sum of both apart, w
 a separate process mostly overlaps the READ, and hashing each
 request's pages on the other core while the next one lands, even from C without the GIL, does
 no better than hashing them on the I/O thread (docs/verified-fetch-probes.md).
+
+A third case puts both pools on one node, the owner's in shared memory: the verified fetch
+through the mapped slab against a bare memcpy out of the same mapping (target >= 0.8), with
+NIXL between the same two processes beside it (``benchmarks/_same_node.py``).
 """
 
 from __future__ import annotations
@@ -411,7 +415,7 @@ def main() -> None:
     args = parse_args("transport")
     import ray
 
-    start_local_ray(pythonpath=(str(ROOT),))
+    start_local_ray(pythonpath=(str(ROOT), str(ROOT / "benchmarks")))
     reps = 7 if args.quick else 25
     cases = [
         ("mla256", MLA_PAGE_BYTES, 256, "256 MLA pages x 73,728 B"),
@@ -550,6 +554,12 @@ def main() -> None:
                     note=note,
                 ),
             ]
+        from _same_node import run_same_node, same_node_rows
+
+        n = 256 if args.quick else 1024
+        label, note = f"mla{n}", f"{n} MLA pages x 73,728 B"
+        r = run_same_node(MLA_PAGE_BYTES, n, reps)
+        rows += same_node_rows(r, label, note, n * MLA_PAGE_BYTES)
     finally:
         ray.shutdown()
     write_result("transport", args, rows)

@@ -15,7 +15,12 @@ between two device tensors, on 8-byte words as the pool's own copies, measured i
 - ``verified_fetch_gpu_local``: a verified fetch between two device pools of one process (the
   read is a device copy; every page is hashed and compared before it is sealed);
 - ``verified_fetch_gpu_nixl``: the same over NIXL, VRAM to VRAM between two agents, and
-  ``nixl_read_gpu``: NIXL's raw READ of the same slots with nothing verified.
+  ``nixl_read_gpu``: NIXL's raw READ of the same slots with nothing verified;
+- ``verified_fetch_gpu_same_node``: a verified fetch between two processes' device pools on
+  one node, through the owner's CUDA IPC share, against ``cuda_ipc_gather`` (the same pages
+  gathered from the same opened handle, nothing verified; target >= 0.5), and
+  ``verified_fetch_gpu_nixl_same_node`` beside it (NIXL between the same two processes; the
+  mapped fetch aims at >= 100x it, row ``same_node_vs_nixl_gpu``).
 
 The first four aim at half the rate of the device copy (``TARGET``; 0.8 would make hashing
 nearly free beside the copy that brings the pages). Every fetched page is also compared with
@@ -26,10 +31,12 @@ no row of this file is recorded on a machine without one.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import xxhash
@@ -253,9 +260,142 @@ def main() -> int:
                 )
         finally:
             pair.close()
+    rows += same_node_device_rows(pages, repeat)
     write_result("gpu_pool", args, rows)
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---------------------------------------------------------------- same node, two processes
+
+_SAME_NODE = "gpu-same-node"
+_SAME_NODE_ROWS = (
+    "verified_fetch_gpu_same_node",
+    "cuda_ipc_gather",
+    "verified_fetch_gpu_nixl_same_node",
+)
+
+
+def _same_node_owner(conn: Any, pages: int) -> None:
+    """The owner process of the same-node rows: ``pages`` sealed pages in a device pool behind
+    a NIXL transport that publishes the pool's CUDA IPC share; sends its peer info and the
+    export, then holds the pages until told to go."""
+    pool = _pool(pages)
+    transport = make_transport(
+        TransportConfig(kind="nixl"), name="same-node-owner", node=_SAME_NODE
+    )
+    info = transport.register(pool)
+    data = torch.randint(0, 256, (pages, pool.page_bytes), dtype=torch.uint8, device="cuda")
+    sealed = [
+        r.handle
+        for r in pool.seal_many(pool.write_many(pool.allocate_many(pages), data), NAMESPACE)
+    ]
+    torch.cuda.synchronize()
+    conn.send((info, export_pages(pool, sealed, namespace=NAMESPACE, peer=transport.name)))
+    conn.recv()
+    transport.close()
+
+
+def same_node_device_rows(pages: int, repeat: int) -> list[Row]:
+    """The same-node device rows (module docstring): the owner in a second process started
+    here, the reader in this one; every fetch checked against the owner's bytes, untimed."""
+    if not torch.cuda.is_available():
+        return [
+            Row(name=n, value=None, unit="GB/s", note="not run: no GPU") for n in _SAME_NODE_ROWS
+        ]
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from tessera_ray.transport import DeviceShare
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    owner = ctx.Process(target=_same_node_owner, args=(there, pages), daemon=True)
+    owner.start()
+    made: list[Transport] = []
+    try:
+        info, export = here.recv()
+        reader = _pool(pages)
+        for name, mode in (("same-node-reader", "auto"), ("same-node-reader-nixl", "backend")):
+            config = TransportConfig(kind="nixl", same_node=mode)  # type: ignore[arg-type]
+            made.append(make_transport(config, name=name, node=_SAME_NODE))
+            made[-1].register(reader)
+            made[-1].add_peers([info])
+        mapped, nixl = made
+        if mapped.carrier(info.name) != "mapped" or nixl.carrier(info.name) != "nixl":
+            raise AssertionError("the readers did not take the paths they were told to")
+        share = info.mappings[0]
+        assert isinstance(share, DeviceShare)
+        src = rebuild_cuda_tensor(*share.handle)  # the owner's pool, opened raw
+        remote = torch.tensor(export.slots, device="cuda")
+        owners = src.index_select(0, remote)
+        wide_src, wide_dst = src.view(torch.int64), reader.data.view(torch.int64)
+        reserved = reader.allocate_many(pages)
+        index = torch.tensor([int(reader.slot(h)) for h in reserved], device="cuda")
+        ipc_s = time_median(
+            _synced(lambda: wide_dst.index_copy_(0, index, wide_src.index_select(0, remote))),
+            repeat=repeat,
+        )
+        if not torch.equal(reader.data.index_select(0, index), owners):
+            raise AssertionError("the raw CUDA IPC gather did not copy the owner's pages")
+        reader.release_many(reserved)
+
+        def fetch_s(transport: Transport) -> float:
+            samples = []
+            for _ in range(repeat + 1):  # the first is a warm-up
+                start = time.perf_counter()
+                result = fetch_verified(transport, export, timeout_s=60)
+                torch.cuda.synchronize()
+                samples.append(time.perf_counter() - start)
+                if result.failed:
+                    raise AssertionError(f"verified fetch failed: {result.failed[0]}")
+                slots = [int(reader.slot(f.handle)) for f in result.fetched]
+                if not torch.equal(reader.data[slots], owners):
+                    raise AssertionError("a fetched page differs from the owner's")
+                reader.release_many([f.handle for f in result.fetched])
+                reader.evict(len(result.fetched), copy_data=False)
+            return statistics.median(samples[1:])
+
+        page_bytes = reader.page_bytes
+        ipc = _gbps(pages, page_bytes, ipc_s)
+        fetched = _gbps(pages, page_bytes, fetch_s(mapped))
+        over_nixl = _gbps(pages, page_bytes, fetch_s(nixl))
+    finally:
+        for transport in made:
+            transport.close()
+        here.send("done")
+        owner.join(60)
+    note = f"{torch.cuda.get_device_name(0)}, {pages} MLA pages of {page_bytes} B, two processes"
+    return [
+        Row(name="cuda_ipc_gather", value=ipc, unit="GB/s", note=f"{note}; nothing verified"),
+        Row(
+            name="verified_fetch_gpu_same_node",
+            value=fetched,
+            unit="GB/s",
+            baseline="cuda_ipc_gather",
+            baseline_value=ipc,
+            target_ratio=0.5,
+            note=f"{note}; through the owner's CUDA IPC share: gather, hash on the device, "
+            "verify, seal",
+        ),
+        Row(
+            name="verified_fetch_gpu_nixl_same_node",
+            value=over_nixl,
+            unit="GB/s",
+            baseline="cuda_ipc_gather",
+            baseline_value=ipc,
+            note=f"{note}; the same fetch over NIXL",
+        ),
+        Row(
+            name="same_node_vs_nixl_gpu",
+            value=fetched,
+            unit="GB/s",
+            baseline="verified_fetch_gpu_nixl_same_node",
+            baseline_value=over_nixl,
+            target_ratio=100.0,
+            derived_from="verified_fetch_gpu_same_node and verified_fetch_gpu_nixl_same_node",
+            note=note,
+        ),
+    ]

@@ -297,3 +297,15 @@ class TierUnavailableError(TesseraError, ConnectionError):
     """The tier could not answer a connector's call in time (a pool or directory shard down or
     slow, a transfer that failed): the connector recomputes what it asked for and counts it.
     Every other error out of a tier backend is a bug and reaches vLLM."""
+
+
+# --------------------------------------------------------- same-node mapped memory
+# Appended as a block (and to ``__all__`` below) so concurrent edits elsewhere in this file merge.
+
+__all__ += ["PeerMappingError"]
+
+
+class PeerMappingError(TesseraError, OSError):
+    """Another process's pool memory cannot be mapped here: its shared-memory file is absent
+    (the peer runs in another container), this process may not open it, or it is not the size
+    its descriptor says. Readers fall back to the transport's backend (NIXL)."""

@@ -137,6 +137,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "a malformed frame (security signal)"),
     MetricSpec(name="tessera_transfer_bytes", kind=_C, tag_keys=_POOL,
                description="Bytes of blocks pulled from other pools and installed"),
+    MetricSpec(name="tessera_transfer_mapped_bytes", kind=_C, tag_keys=_POOL,
+               description="Bytes of pages read out of a same-node pool's mapped memory "
+               "(the rest of the transfers went over the transport's backend)"),
     MetricSpec(name="tessera_transfer_latency_seconds", kind=_H, tag_keys=_POOL,
                buckets=_LATENCY_BUCKETS,
                description="Duration of one fetch from another pool (pin to install)"),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig
+from tessera_ray.errors import TierConfigError
 
 __all__ = ["PoolSpec", "pool_specs", "inherited_raylet_node"]
 
@@ -35,7 +36,15 @@ def pool_specs(
     """The pools to start on ``nodes`` (``alive``: Ray's node records by id): one per GPU, its
     pages in device memory, on GPU nodes; ``pools_per_node`` on CPU nodes. Each pool with a
     disk tier gets a directory of its own under ``disk_root``. ``prefix``: the pools' name
-    prefix, passed in because the module that defines it imports Ray."""
+    prefix, passed in because the module that defines it imports Ray.
+
+    Raises :class:`TierConfigError` for a tier that forces same-node reads
+    (``transport.same_node="mapped"``) across several nodes, before anything starts."""
+    if config.pool.transport.same_node == "mapped" and len(set(nodes)) > 1:
+        raise TierConfigError(
+            f"transport.same_node='mapped' reads only pools of one node, but this tier spans "
+            f"{len(set(nodes))} nodes; use same_node='auto' (NIXL between nodes)"
+        )
     specs: list[PoolSpec] = []
     for node in nodes:
         gpus = int(alive.get(node, {}).get("Resources", {}).get("GPU", 0))

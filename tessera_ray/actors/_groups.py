@@ -69,7 +69,10 @@ class LayerGroups:
         num_blocks: int,
         device: str,
         content_hash: ContentHashFn = xxh3_128,
+        shared_memory_dir: str | None = None,
     ) -> None:
+        """``shared_memory_dir``: CPU pools keep their pages there, for other processes of
+        the node to map (``PoolConfig.shared_memory_dir``); ignored on a device."""
         if not layout.groups:
             raise PageShapeError(f"layout {layout.model!r} has no paged layer group to pool")
         self.layout = layout
@@ -77,7 +80,11 @@ class LayerGroups:
             BlockPool.for_group(
                 layout,
                 i,
-                PoolConfig(num_pages=num_blocks * len(g.layers), device=device),
+                PoolConfig(
+                    num_pages=num_blocks * len(g.layers),
+                    device=device,
+                    shared_memory_dir=None if device.startswith("cuda") else shared_memory_dir,
+                ),
                 content_hash=content_hash,
             )
             for i, g in enumerate(layout.groups)

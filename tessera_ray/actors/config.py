@@ -36,7 +36,13 @@ class PoolServiceConfig:
     max_lease_s: float = 600.0
     """Longest lease a caller may ask for."""
     transport: TransportConfig = field(default_factory=TransportConfig)
-    """How this pool pulls pages from other pools (``auto``: NIXL, else the object store)."""
+    """How this pool pulls pages from other pools (``auto``: NIXL, else the object store; a
+    pool on the same node through its mapped memory, ``TransportConfig.same_node``)."""
+    shared_memory_dir: Path | None = Path("/dev/shm")
+    """Where a CPU pool keeps its pages, in a file other pools and connector workers of the node
+    map to read them with a copy (docs/same-node.md); reserved in full when the pool starts, so
+    a missing or too small directory fails the start. ``None``: private memory, every read
+    from this pool over NIXL. Device pools share theirs through CUDA IPC and ignore it."""
     pin_channel: bool = True
     """Serve pins and unpins for readers on a direct TCP channel (authenticated by a secret
     passed through Ray), and use other pools' channels when fetching: a Ray actor call costs
@@ -62,6 +68,19 @@ class PoolServiceConfig:
             object.__setattr__(self, "disk_root", Path(self.disk_root))
         if self.write_through and self.disk_root is None:
             raise TierConfigError("write_through needs a disk tier: set disk_root")
+        if self.shared_memory_dir is not None:
+            object.__setattr__(self, "shared_memory_dir", Path(self.shared_memory_dir))
+        if self.transport.same_node == "mapped":
+            if self.transport.kind not in ("auto", "nixl"):
+                raise TierConfigError(
+                    f"transport.same_node='mapped' needs transport kind 'auto' or 'nixl', "
+                    f"got {self.transport.kind!r}"
+                )
+            if self.shared_memory_dir is None and not self.device.startswith("cuda"):
+                raise TierConfigError(
+                    "transport.same_node='mapped' needs shared pool memory: set "
+                    "shared_memory_dir (a tmpfs such as /dev/shm)"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)

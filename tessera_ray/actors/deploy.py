@@ -76,6 +76,10 @@ def start_tier(
         )
     layout = layout or preset_layout(config.model, format=config.format)
     here = ray.get_runtime_context().get_node_id()
+    # What goes where first: a configuration that cannot run refuses before anything starts.
+    alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
+    nodes = list(pools_on) if pools_on is not None else list(alive)
+    specs = pool_specs(config, nodes, alive, POOL_PREFIX)
     for i in range(config.num_shards):
         DirectoryActor.options(  # type: ignore[attr-defined]
             name=shard_name(i),
@@ -92,9 +96,6 @@ def start_tier(
             config.pool.metrics_interval_s,
             tenant_secret,
         )
-    alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
-    nodes = list(pools_on) if pools_on is not None else list(alive)
-    specs = pool_specs(config, nodes, alive, POOL_PREFIX)
     handles = [
         PoolActor.options(  # type: ignore[attr-defined]
             name=spec.name,

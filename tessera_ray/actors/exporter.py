@@ -53,6 +53,7 @@ def export_pool_status(
     metrics.set_total("tessera_memory_rotten_blocks", status.rotten_blocks, tags)
     metrics.set_total("tessera_channel_pins", status.channel_pins, tags)
     metrics.set_total("tessera_channel_refused", status.channel_refused, tags)
+    metrics.set_total("tessera_transfer_mapped_bytes", status.mapped_bytes_in, tags)
     for (src, dst, reason), count in (fallbacks or {}).items():
         fb_tags = {**tags, "from_kind": src, "to_kind": dst, "reason": reason}
         metrics.set_total("tessera_transport_fallbacks", count, fb_tags)

@@ -332,6 +332,9 @@ class PoolStatus:
     channel_refused: int = 0
     """Connections to the channel dropped for a wrong secret or a malformed frame
     (cumulative): a security signal where it is not zero."""
+    mapped_bytes_in: int = 0
+    """Bytes of pages this pool read out of a same-node pool's mapped memory rather than over
+    its transport's backend (cumulative; part of ``bytes_in``'s reads)."""
 
     @property
     def tier_counts(self) -> dict[Tier, int]:

@@ -41,6 +41,7 @@ from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
 from tessera_ray.core.results import TokenKey
+from tessera_ray.errors import TierConfigError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.metrics import get_metrics
 from tessera_ray.transport import PeerInfo, make_transport
@@ -97,11 +98,17 @@ class PoolActor:
         # object store (read_pinned + install), verified the same way.
         self.peer: PeerInfo | None = None
         if config.transport.kind in ("auto", "nixl"):
-            transport = make_transport(config.transport, name=name)
+            # With the node, pools of this node are read through their mapped memory.
+            transport = make_transport(config.transport, name=name, node=node)
             if transport.kind == "nixl":
                 self.peer = self.svc.attach_transport(transport)
             else:
                 transport.close()
+                if config.transport.same_node == "mapped":
+                    raise TierConfigError(
+                        f"pool {name}: transport.same_node='mapped' needs NIXL here, which did "
+                        "not start (see the logged fallback); use same_node='auto'"
+                    )
         self._started = False
 
     async def _start(self) -> None:

@@ -88,7 +88,14 @@ class PoolService:
         """Random per process start; travels on pin tickets (see :class:`PinTicket`)."""
         self.gate = gate or TenantGate()
         """Checks the namespace every call names (see :mod:`~tessera_ray.actors.tenancy`)."""
-        self.groups = LayerGroups(layout, config.num_blocks, config.device, content_hash)
+        shm = config.shared_memory_dir
+        self.groups = LayerGroups(
+            layout,
+            config.num_blocks,
+            config.device,
+            content_hash,
+            shared_memory_dir=None if shm is None else str(shm),
+        )
         self.pools = self.groups.pools
         self.block_bytes = self.groups.block_bytes
         self.disk = (
@@ -429,6 +436,7 @@ class PoolService:
             rotten_blocks=self.rotten,
             transfers_in=self.intake.transfers_in,
             bytes_in=self.intake.bytes_in,
+            mapped_bytes_in=self.transport.mapped_bytes if self.transport is not None else 0,
             transport=self.intake.transport.kind
             if self.intake.transport is not None
             else "object-store",

@@ -24,6 +24,7 @@ from tessera_ray.core._xxh3 import rows_qualify, xxh3_128_rows
 from tessera_ray.core.config import PoolConfig, check_fits
 from tessera_ray.core.hashing import ContentHashFn, xxh3_128
 from tessera_ray.core.hostmem import aligned_host_zeros
+from tessera_ray.core.shm import shared_host_zeros
 from tessera_ray.errors import PageDTypeError, PoolError, UnknownNameError
 from tessera_ray.layout import PageSpec
 
@@ -75,7 +76,9 @@ def page_storage(config: PoolConfig, page_bytes: int) -> tuple[torch.Tensor, mem
     """
     check_fits(config, page_bytes)
     pinned = config.resolved_pin_memory()
-    if config.is_cuda or pinned:  # device and pinned allocations are page-aligned already
+    if config.shared_memory_dir is not None:  # host pages other processes of the node map
+        data = shared_host_zeros(config.shared_memory_dir, config.num_pages, page_bytes, pin=pinned)
+    elif config.is_cuda or pinned:  # device and pinned allocations are page-aligned already
         data = torch.zeros(
             (config.num_pages, page_bytes),
             dtype=torch.uint8,

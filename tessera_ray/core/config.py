@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tessera_ray.errors import PoolConfigError, PoolMemoryError
@@ -26,6 +27,12 @@ class PoolConfig:
     scrub_freed_pages: bool = True
     """Zero a page when it returns to the free list, so the next holder (maybe another tenant)
     can never read what it held. Costs one memset per freed page."""
+    shared_memory_dir: str | None = None
+    """Host pools only: keep the pages in a file of this shared-memory directory (a tmpfs such
+    as ``/dev/shm``), so other processes of the node can map them and read pages with a copy
+    instead of a network transfer (docs/same-node.md). The whole size is reserved when the
+    pool starts: a missing or too small directory fails then, never later. ``None``: private
+    anonymous memory."""
 
     def __post_init__(self) -> None:
         if isinstance(self.num_pages, bool) or not isinstance(self.num_pages, int):
@@ -40,6 +47,20 @@ class PoolConfig:
             )
         if self.pin_memory and self.is_cuda:
             raise PoolConfigError("pin_memory applies to cpu pools only")
+        if self.shared_memory_dir is not None:
+            if not isinstance(self.shared_memory_dir, str | os.PathLike):
+                raise PoolConfigError(
+                    f"shared_memory_dir must be a directory path or None, got "
+                    f"{self.shared_memory_dir!r}"
+                )
+            object.__setattr__(self, "shared_memory_dir", os.fspath(self.shared_memory_dir))
+            if not self.shared_memory_dir:
+                raise PoolConfigError("shared_memory_dir must be a directory path or None")
+            if self.is_cuda:
+                raise PoolConfigError(
+                    "shared_memory_dir applies to cpu pools only (device pools are shared "
+                    "through CUDA IPC)"
+                )
 
     @property
     def is_cuda(self) -> bool:

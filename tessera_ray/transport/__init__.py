@@ -1,10 +1,13 @@
 """Moving pages between workers: NIXL one-sided reads, a local copy, the Ray object store.
 
-Set-up, once per pool: ``t = make_transport(config, name=...)``, ``info = t.register(pool)``,
-publish ``info``; each reader calls ``t.add_peers([...])``. A fetch: the owner pins the pages
-and returns :func:`export_pages`; the reader calls :func:`fetch_verified`; the owner unpins.
+Set-up, once per pool: ``t = make_transport(config, name=..., node=...)``, ``info =
+t.register(pool)``, publish ``info``; each reader calls ``t.add_peers([...])``. With ``node``
+(the Ray node id), peers on the same node are read through their mapped memory
+(``TransportConfig.same_node``). A fetch: the owner pins the pages and returns
+:func:`export_pages`; the reader calls :func:`fetch_verified`; the owner unpins.
 """
 
+from tessera_ray.transport._records import DeviceShare, MemoryShare
 from tessera_ray.transport.base import (
     PeerInfo,
     PoolRegion,
@@ -13,7 +16,13 @@ from tessera_ray.transport.base import (
     Transport,
     TransportCapabilities,
 )
-from tessera_ray.transport.config import TRANSPORT_KINDS, TransportConfig, TransportKind
+from tessera_ray.transport.config import (
+    SAME_NODE_MODES,
+    TRANSPORT_KINDS,
+    SameNode,
+    TransportConfig,
+    TransportKind,
+)
 from tessera_ray.transport.factory import TRANSPORTS, fallback_counts, make_transport
 from tessera_ray.transport.fetch import (
     FailedPage,
@@ -35,6 +44,10 @@ __all__ = [
     "TransportConfig",
     "TransportKind",
     "TRANSPORT_KINDS",
+    "SameNode",
+    "SAME_NODE_MODES",
+    "MemoryShare",
+    "DeviceShare",
     "TRANSPORTS",
     "PeerInfo",
     "PoolRegion",

@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import torch
 
-__all__ = ["scatter_rows"]
+__all__ = ["scatter_rows", "gather_rows"]
 
 
 def scatter_rows(dst: torch.Tensor, slots: list[int], src: np.ndarray) -> None:
@@ -26,4 +26,20 @@ def scatter_rows(dst: torch.Tensor, slots: list[int], src: np.ndarray) -> None:
     for i in range(1, len(slots) + 1):
         if i == len(slots) or slots[i] != slots[i - 1] + 1:
             ctypes.memmove(dst_base + slots[start] * row, src_base + start * row, (i - start) * row)
+            start = i
+
+
+def gather_rows(dst: torch.Tensor, local: list[int], src_address: int, remote: list[int]) -> None:
+    """``dst[local[i]] = src[remote[i]]``, ``src`` a host matrix of ``dst``'s row size at
+    ``src_address`` (another pool's mapped memory, read-only here); runs consecutive on both
+    sides (what a fresh free list and a block's pages usually are) become one ``memmove``."""
+    row = dst.shape[1]
+    dst_base = dst.data_ptr()
+    n = len(local)
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or local[i] != local[i - 1] + 1 or remote[i] != remote[i - 1] + 1:
+            ctypes.memmove(
+                dst_base + local[start] * row, src_address + remote[start] * row, (i - start) * row
+            )
             start = i

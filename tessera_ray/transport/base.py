@@ -17,6 +17,11 @@ thread that copied it, right after its bytes arrived, while they are still in th
 and :meth:`wait` returns the digests. Hashing there costs about half of hashing the same pages
 after the whole read (they have left the cache by then). The transport only computes; the
 caller compares the digests with what the owner exported and decides what is trusted.
+
+A transport that knows its Ray node (``node``) reads a peer on the same node through that
+peer's mapped pool memory instead of its backend (:mod:`~tessera_ray.transport._mapped`,
+``TransportConfig.same_node``): the same tickets, the same hashing of what landed, a copy in
+place of a network transfer. :meth:`Transport.carrier` says which path a peer's reads take.
 """
 
 from __future__ import annotations
@@ -24,13 +29,21 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 from numbers import Integral
 from typing import Any
 
 from tessera_ray.core import BlockPool
 from tessera_ray.errors import TransportConfigError, TransportError
+from tessera_ray.transport._mapped import MAPPED, open_same_node, share_pools
+from tessera_ray.transport._mapped_reads import MappedReads
+from tessera_ray.transport._records import (
+    MemoryShare,
+    PeerInfo,
+    PoolRegion,
+    TransferState,
+    TransferTicket,
+    TransportCapabilities,
+)
 from tessera_ray.transport.config import TransportConfig
 
 __all__ = [
@@ -43,71 +56,6 @@ __all__ = [
 ]
 
 
-class TransferState(StrEnum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class TransportCapabilities:
-    """What a transport can do, for the chooser and for callers deciding how to fetch."""
-
-    one_sided: bool
-    """Reads need no code to run on the owner (NIXL): the owner only pins and exports."""
-    cross_process: bool
-    """Peers may live in other processes (False for the in-process copy)."""
-    device_memory: bool
-    """Pool memory on a GPU is moved without staging through the host."""
-    overlaps_caller: bool = False
-    """A read proceeds while the caller works (NIXL's I/O thread), so a fetch split into
-    several reads verifies one while the next lands."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolRegion:
-    """One registered pool (layer group) as a peer sees it."""
-
-    num_pages: int
-    page_bytes: int
-    base_addr: int
-    """Address of page 0 in the owner's process (what NIXL descriptors name)."""
-    device: str = "cpu"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerInfo:
-    """What a reader needs to read a pool actor's slots; published through the directory once
-    per pool actor at start-up (cheap to pickle)."""
-
-    kind: str
-    """The transport kind that produced it; a peer of another kind is refused."""
-    name: str
-    """The transport's unique name (NIXL agent name); :class:`PageExport` names it as ``peer``."""
-    fingerprint: str
-    """Layout fingerprint of the registered pools: pages of different layouts never mix."""
-    regions: tuple[PoolRegion, ...]
-    """One per registered pool, in layer-group order (a read's ``group`` indexes it)."""
-    metadata: bytes = b""
-    """Backend connection data (NIXL agent metadata, with the registered memory)."""
-    endpoint: Any = field(default=None, compare=False)
-    """Where to ask for bytes when reads are not one-sided (the Ray fallback: the owner's actor
-    handle); ``None`` otherwise."""
-
-
-@dataclass(frozen=True, slots=True)
-class TransferTicket:
-    """One read in flight; hand it to :meth:`Transport.wait`, :meth:`poll` or :meth:`abort`."""
-
-    id: int
-    peer: str
-    group: int
-    num_pages: int
-    nbytes: int
-    hash_seed: int | None = None
-    """Seed of the content hashes the read takes of the pages it landed; ``None``: none."""
-
-
 _TICKET_IDS = itertools.count(1)
 
 
@@ -117,13 +65,23 @@ class Transport(ABC):
     kind: str = ""
     capabilities: TransportCapabilities
 
-    def __init__(self, config: TransportConfig, *, name: str) -> None:
+    def __init__(self, config: TransportConfig, *, name: str, node: str | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise TransportConfigError(f"a transport needs a non-empty unique name, got {name!r}")
+        if node is not None and (not isinstance(node, str) or not node):
+            raise TransportConfigError(f"node must be a Ray node id or None, got {node!r}")
+        if config.same_node == MAPPED and node is None:
+            raise TransportConfigError(
+                "same_node='mapped' needs the Ray node this transport runs on (node=...)"
+            )
         self.config = config
         self.name = name
+        self.node = node
+        """Ray node id of this process (``None``: unknown, every read takes the backend)."""
         self._pools: tuple[BlockPool, ...] = ()
+        self._shares: tuple[MemoryShare | None, ...] = ()
         self._peers: dict[str, PeerInfo] = {}
+        self._mapped = MappedReads(name, self._hash_landed, config.hash_chunk_bytes)
         self._closed = False
 
     # ----------------------------------------------------------------- set-up
@@ -150,6 +108,8 @@ class Transport(ABC):
             raise TransportConfigError("a pool tensor must be contiguous to be registered")
         self._register(group)
         self._pools = group
+        if self.capabilities.cross_process:  # in-process peers copy directly, nothing to map
+            self._shares = share_pools(group)
         return self.peer_info()
 
     @property
@@ -180,11 +140,15 @@ class Transport(ABC):
                 for p in pools
             ),
             metadata=self._metadata(),
+            node=self.node,
+            mappings=self._shares,
             endpoint=self._endpoint(),
         )
 
     def add_peers(self, peers: Sequence[PeerInfo]) -> None:
-        """Make each peer readable (idempotent for a peer already known with equal info)."""
+        """Make each peer readable (idempotent for a peer already known with equal info; a
+        peer known with other info, a restarted one, is removed and added again). A peer on
+        this transport's node is mapped here, once (see the module docstring)."""
         for info in peers:
             if info.kind != self.kind:
                 raise TransportConfigError(
@@ -193,20 +157,51 @@ class Transport(ABC):
                 )
             if info.name == self.name:
                 raise TransportConfigError(f"peer {info.name!r} is this transport itself")
+            if self.config.same_node == MAPPED and info.node != self.node:
+                open_same_node(MAPPED, self.node, self.kind, info)  # raises, naming the nodes
         for info in peers:
             known = self._peers.get(info.name)
             if known == info:
                 continue
             if known is not None:
                 self.remove_peers([info.name])
-            self._add_peer(info)
+            mapped = None
+            if self.capabilities.cross_process:
+                mapped = open_same_node(self.config.same_node, self.node, self.kind, info)
+            try:
+                self._add_peer(info)
+            except BaseException:
+                if mapped is not None:
+                    mapped.close()
+                raise
             self._peers[info.name] = info
+            if mapped is not None:
+                self._mapped.add(info.name, mapped)
 
     def remove_peers(self, names: Sequence[str]) -> None:
-        """Forget peers (a dead or restarted pool); unknown names are ignored."""
+        """Forget peers (a dead or restarted pool), unmapping their memory; unknown names are
+        ignored."""
         for name in names:
             if self._peers.pop(name, None) is not None:
+                self._mapped.remove(name)
                 self._remove_peer(name)
+
+    def carrier(self, peer: str) -> str:
+        """What carries reads from ``peer``: ``"mapped"`` (its memory, mapped here) or this
+        transport's kind (its backend)."""
+        if peer not in self._peers:
+            raise TransportError(f"unknown peer {peer!r}; add_peers() its PeerInfo first")
+        return MAPPED if peer in self._mapped.peers else self.kind
+
+    @property
+    def mapped_reads(self) -> int:
+        """Reads (tickets) that completed through a peer's mapped memory."""
+        return self._mapped.reads
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes those reads copied."""
+        return self._mapped.bytes
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -282,6 +277,7 @@ class Transport(ABC):
             isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or hash_seed < 0
         ):
             raise TransportConfigError(f"hash_seed must be an int >= 0, got {hash_seed!r}")
+        mapped = peer in self._mapped.peers
         tickets = [
             TransferTicket(
                 next(_TICKET_IDS),
@@ -290,10 +286,14 @@ class Transport(ABC):
                 len(local),
                 len(local) * pool.page_bytes,
                 hash_seed,
+                mapped,
             )
             for _, local in lists
         ]
-        self._start_many(tickets, info, lists)
+        if mapped:
+            self._mapped.start(tickets, lists, pool.data)
+        else:
+            self._start_many(tickets, info, lists)
         return tickets
 
     def wait(
@@ -304,22 +304,26 @@ class Transport(ABC):
         timeout or failure the backend request is released (aborted) and
         :class:`TransferTimeoutError` / :class:`TransferFailedError` raised; either way the
         ticket is settled."""
-        return self._wait(ticket, self.config.timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        if ticket.mapped:
+            return self._mapped.wait(ticket, timeout_s)
+        return self._wait(ticket, timeout_s)
 
-    @abstractmethod
     def poll(self, ticket: TransferTicket) -> TransferState:
         """The read's state now, without blocking (settle it with :meth:`wait`)."""
+        return self._mapped.poll(ticket) if ticket.mapped else self._poll(ticket)
 
-    @abstractmethod
     def abort(self, ticket: TransferTicket) -> bool:
         """Cancel and settle the read. True when no byte can land in the local slots after
         this returns; False when the backend could not cancel (keep those slots out of use)."""
+        return self._mapped.abort(ticket) if ticket.mapped else self._abort(ticket)
 
     def close(self) -> None:
         """Release backend resources (peers, registration). Idempotent."""
         if self._closed:
             return
         self.remove_peers(list(self._peers))
+        self._mapped.close()
         self._close()
         self._closed = True
 
@@ -373,6 +377,14 @@ class Transport(ABC):
     @abstractmethod
     def _wait(self, ticket: TransferTicket, timeout_s: float) -> tuple[int, ...] | None:
         """Settle the read; returns :meth:`_hash_landed` of its slots when it hashes."""
+
+    @abstractmethod
+    def _poll(self, ticket: TransferTicket) -> TransferState:
+        """:meth:`poll` of a read the backend carries."""
+
+    @abstractmethod
+    def _abort(self, ticket: TransferTicket) -> bool:
+        """:meth:`abort` of a read the backend carries."""
 
     def _hash_landed(self, ticket: TransferTicket, local: Sequence[int]) -> tuple[int, ...] | None:
         """The content hashes of local pages ``local`` of the ticket's group, if it hashes

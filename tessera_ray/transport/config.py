@@ -9,10 +9,12 @@ from typing import Literal
 
 from tessera_ray.errors import TransportConfigError
 
-__all__ = ["TransportConfig", "TransportKind", "TRANSPORT_KINDS"]
+__all__ = ["TransportConfig", "TransportKind", "TRANSPORT_KINDS", "SameNode", "SAME_NODE_MODES"]
 
 TransportKind = Literal["auto", "nixl", "ray", "local"]
 TRANSPORT_KINDS: tuple[str, ...] = ("auto", "nixl", "ray", "local")
+SameNode = Literal["auto", "mapped", "backend"]
+SAME_NODE_MODES: tuple[str, ...] = ("auto", "mapped", "backend")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,10 +51,21 @@ class TransportConfig:
     well under an actor round trip (docs/measured-choices.md). 0 restores the spinning
     thread."""
 
+    same_node: SameNode = "auto"
+    """How pages move from a pool on the same node (same Ray node id): ``"auto"`` maps the
+    owner's pool memory once (its shared-memory slab, or CUDA IPC for device pools) and reads
+    are a copy out of it, with the backend (NIXL) carrying the reads of a peer whose memory
+    cannot be mapped (logged and counted as a fallback); ``"mapped"`` refuses such a peer and
+    any peer on another node; ``"backend"`` never maps (docs/same-node.md)."""
+
     def __post_init__(self) -> None:
         if self.kind not in TRANSPORT_KINDS:
             raise TransportConfigError(
                 f"kind must be one of {', '.join(TRANSPORT_KINDS)}, got {self.kind!r}"
+            )
+        if self.same_node not in SAME_NODE_MODES:
+            raise TransportConfigError(
+                f"same_node must be one of {', '.join(SAME_NODE_MODES)}, got {self.same_node!r}"
             )
         _positive("timeout_s", self.timeout_s)
         if not self.nixl_backends or not all(isinstance(b, str) and b for b in self.nixl_backends):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from typing import Any
 
 from tessera_ray.errors import TransportUnavailableError
+from tessera_ray.transport._fallbacks import count_fallback, fallback_counts
 from tessera_ray.transport.base import Transport
 from tessera_ray.transport.config import TransportConfig
 from tessera_ray.transport.local import LocalTransport
@@ -25,42 +25,34 @@ TRANSPORTS: dict[str, type[Transport]] = {
 }
 """Transport class per config kind (``auto`` tries ``nixl``, then ``ray``)."""
 
-_lock = threading.Lock()
-_fallbacks: dict[tuple[str, str, str], int] = {}
-
-
-def fallback_counts() -> dict[tuple[str, str, str], int]:
-    """``{(from kind, to kind, reason class): count}`` since the process started: what the
-    metrics module exports as ``tessera_transport_fallbacks_total``."""
-    with _lock:
-        return dict(_fallbacks)
-
-
-def _count_fallback(src: str, dst: str, reason: str) -> None:
-    with _lock:
-        key = (src, dst, reason)
-        _fallbacks[key] = _fallbacks.get(key, 0) + 1
-
 
 def make_transport(
-    config: TransportConfig, *, name: str | None = None, endpoint: Any = None
+    config: TransportConfig,
+    *,
+    name: str | None = None,
+    endpoint: Any = None,
+    node: str | None = None,
 ) -> Transport:
     """The transport ``config.kind`` names, not yet registered (call ``register(pool)``).
 
     ``name`` must be unique in the cluster (it becomes the NIXL agent name); a random one is
     made when omitted. ``endpoint`` is this pool's actor handle, used by the Ray fallback.
+    ``node`` is the Ray node id this process runs on: peers that publish the same node are
+    read through their mapped memory (``TransportConfig.same_node``); ``None`` never maps.
     """
     name = name or f"tessera-{uuid.uuid4().hex[:16]}"
     if config.kind == "auto":
         try:
-            return NixlTransport(config, name=name)
+            return NixlTransport(config, name=name, node=node)
         except TransportUnavailableError as e:
             reason = type(e.__cause__ or e).__name__
             log.warning(
                 "transport 'auto': NIXL unavailable (%s), falling back to Ray: %s", reason, e
             )
-            _count_fallback("nixl", "ray", reason)
-            return RayObjectTransport(config, name=name, endpoint=endpoint)
+            count_fallback("nixl", "ray", reason)
+            return RayObjectTransport(config, name=name, endpoint=endpoint, node=node)
     if config.kind == "ray":
-        return RayObjectTransport(config, name=name, endpoint=endpoint)
-    return TRANSPORTS[config.kind](config, name=name)
+        return RayObjectTransport(config, name=name, endpoint=endpoint, node=node)
+    if config.kind == "local":  # peers in this process: nothing to map
+        return LocalTransport(config, name=name)
+    return TRANSPORTS[config.kind](config, name=name, node=node)

@@ -64,7 +64,7 @@ class LocalTransport(Transport):
         dst.index_copy_(0, torch.tensor(local, device=dst.device), rows.to(dst.device))
         self._done[ticket.id] = (TransferState.DONE, self._hash_landed(ticket, local))
 
-    def poll(self, ticket: TransferTicket) -> TransferState:
+    def _poll(self, ticket: TransferTicket) -> TransferState:
         return self._done.get(ticket.id, (TransferState.FAILED, None))[0]
 
     def _wait(self, ticket: TransferTicket, timeout_s: float) -> tuple[int, ...] | None:
@@ -76,7 +76,7 @@ class LocalTransport(Transport):
             )
         return digests
 
-    def abort(self, ticket: TransferTicket) -> bool:
+    def _abort(self, ticket: TransferTicket) -> bool:
         self._done.pop(ticket.id, None)
         return True
 

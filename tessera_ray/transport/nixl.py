@@ -89,8 +89,8 @@ class NixlTransport(Transport):
         one_sided=True, cross_process=True, device_memory=True, overlaps_caller=True
     )
 
-    def __init__(self, config: TransportConfig, *, name: str) -> None:
-        super().__init__(config, name=name)
+    def __init__(self, config: TransportConfig, *, name: str, node: str | None = None) -> None:
+        super().__init__(config, name=name, node=node)
         nixl_agent, nixl_agent_config = import_nixl()
         try:
             self._agent = new_agent(
@@ -311,7 +311,7 @@ class NixlTransport(Transport):
         except Exception:
             return TransferState.FAILED
 
-    def poll(self, ticket: TransferTicket) -> TransferState:
+    def _poll(self, ticket: TransferTicket) -> TransferState:
         job = self._job(ticket)
         return job.future.result()[0] if job.future.done() else TransferState.PENDING
 
@@ -338,7 +338,7 @@ class NixlTransport(Transport):
             )
         return digests
 
-    def abort(self, ticket: TransferTicket) -> bool:
+    def _abort(self, ticket: TransferTicket) -> bool:
         if ticket.id not in self._jobs:
             return True
         return self._cancel(ticket.id)

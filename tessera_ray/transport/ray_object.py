@@ -45,8 +45,15 @@ class RayObjectTransport(Transport):
     kind = "ray"
     capabilities = TransportCapabilities(one_sided=False, cross_process=True, device_memory=False)
 
-    def __init__(self, config: TransportConfig, *, name: str, endpoint: Any = None) -> None:
-        super().__init__(config, name=name)
+    def __init__(
+        self,
+        config: TransportConfig,
+        *,
+        name: str,
+        endpoint: Any = None,
+        node: str | None = None,
+    ) -> None:
+        super().__init__(config, name=name, node=node)
         self._self_endpoint = endpoint
         self._refs: dict[int, tuple[Any, list[int]]] = {}
         self._finished: dict[int, BaseException | tuple[int, ...] | None] = {}
@@ -110,7 +117,7 @@ class RayObjectTransport(Transport):
         self._finished[ticket.id] = err
         return True
 
-    def poll(self, ticket: TransferTicket) -> TransferState:
+    def _poll(self, ticket: TransferTicket) -> TransferState:
         import ray
 
         if ticket.id in self._refs:
@@ -136,7 +143,7 @@ class RayObjectTransport(Transport):
             raise outcome
         return outcome
 
-    def abort(self, ticket: TransferTicket) -> bool:
+    def _abort(self, ticket: TransferTicket) -> bool:
         # Dropping the reference is enough: only this process copies into the slots.
         self._refs.pop(ticket.id, None)
         self._finished.pop(ticket.id, None)

@@ -68,6 +68,8 @@ def test_store_on_node1_fetch_on_node3_byte_exact(
     assert set(result.fetched) == set(keys) and not result.failed
     status = _status(tier, n3)
     assert status.transport == "nixl" and status.transfers_in == 3  # one-sided reads over UCX
+    # Not through mapped memory, although the simulated nodes share /dev/shm: another node.
+    assert status.mapped_bytes_in == 0
     assert status.bytes_in == 3 * LAYOUT.block_bytes
     assert _status(tier, n1).channel_pins >= 1  # the pin went over the direct channel
     got = tier.read("agents", keys, pool=n3)

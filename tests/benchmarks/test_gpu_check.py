@@ -373,3 +373,14 @@ def test_gpu_pool_times_the_verified_fetch_alone_and_checks_every_run_after_it(
 
     assert gpu_pool._fetch_s(Pair(), repeat=3) == 2.0  # type: ignore[arg-type]
     assert checked == fetched and len(fetched) == 4
+
+
+@pytest.mark.skipif(gpu_pool.torch.cuda.is_available(), reason="measured where CUDA is")
+def test_gpu_pool_same_node_rows_say_not_run_without_a_gpu() -> None:
+    rows = gpu_pool.same_node_device_rows(8, 1)
+    assert [r.name for r in rows] == [
+        "verified_fetch_gpu_same_node",
+        "cuda_ipc_gather",
+        "verified_fetch_gpu_nixl_same_node",
+    ]
+    assert all(r.value is None and r.note == "not run: no GPU" for r in rows)

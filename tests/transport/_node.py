@@ -41,14 +41,20 @@ def test_spec(page_bytes: int) -> PageSpec:
     return PageSpec(cache=CacheSpec(scheme=Scheme.MLA, entry=entry), block_tokens=4)
 
 
-def make_pool(num_pages: int, page_bytes: int, fingerprint: str = FINGERPRINT) -> BlockPool:
-    return BlockPool(
-        test_spec(page_bytes), PoolConfig(num_pages=num_pages), fingerprint=fingerprint
-    )
+def make_pool(
+    num_pages: int,
+    page_bytes: int,
+    fingerprint: str = FINGERPRINT,
+    shared_memory_dir: str | None = None,
+) -> BlockPool:
+    config = PoolConfig(num_pages=num_pages, shared_memory_dir=shared_memory_dir)
+    return BlockPool(test_spec(page_bytes), config, fingerprint=fingerprint)
 
 
 class Node:
-    """``page_bytes`` may list several sizes: one pool per layer group, all on one transport."""
+    """``page_bytes`` may list several sizes: one pool per layer group, all on one transport.
+    ``node``: the node the transport says it runs on (``ray_node``: the actor's Ray node);
+    ``shared_memory_dir``: pools other processes of the node can map."""
 
     def __init__(
         self,
@@ -63,25 +69,34 @@ class Node:
         hash_chunk_bytes: int = 512 << 10,
         in_actor: bool = False,
         transport_cls: type[Transport] | None = None,
+        node: str | None = None,
+        ray_node: bool = False,
+        shared_memory_dir: str | None = None,
+        same_node: str = "auto",
     ) -> None:
         sizes = (page_bytes,) if isinstance(page_bytes, int) else page_bytes
-        self.pools = [make_pool(num_pages, pb, fingerprint) for pb in sizes]
+        self.pools = [make_pool(num_pages, pb, fingerprint, shared_memory_dir) for pb in sizes]
         self.pool = self.pools[0]
         config = TransportConfig(
             kind=kind,  # type: ignore[arg-type]
             timeout_s=timeout_s,
             fetch_chunk_bytes=fetch_chunk_bytes,
             hash_chunk_bytes=hash_chunk_bytes,
+            same_node=same_node,  # type: ignore[arg-type]
         )
         endpoint = None
-        if in_actor:
+        if in_actor or ray_node:
             import ray
 
-            endpoint = ray.get_runtime_context().current_actor
+            if in_actor:
+                endpoint = ray.get_runtime_context().current_actor
+            if ray_node:
+                node = ray.get_runtime_context().get_node_id()
         if transport_cls is not None:
-            self.transport = transport_cls(config, name=name)
+            extra = {"node": node} if node is not None else {}  # LocalTransport takes none
+            self.transport = transport_cls(config, name=name, **extra)
         else:
-            self.transport = make_transport(config, name=name, endpoint=endpoint)
+            self.transport = make_transport(config, name=name, endpoint=endpoint, node=node)
         self.info = self.transport.register(self.pools)
         self._leases: dict[int, tuple[int, list[PageHandle]]] = {}
         self._gen = torch.Generator().manual_seed(hash(name) & 0xFFFF)
@@ -137,6 +152,13 @@ class Node:
     def pid(self) -> int:
         return os.getpid()
 
+    def carrier(self, peer: str) -> str:
+        return self.transport.carrier(peer)
+
+    def mapped_counts(self) -> tuple[int, int]:
+        """Reads and bytes this node's transport copied out of mapped peer memory."""
+        return self.transport.mapped_reads, self.transport.mapped_bytes
+
     def stats(self, group: int = 0) -> PoolStats:
         return self.pools[group].stats()
 
@@ -161,14 +183,15 @@ class ActorProxy:
         return lambda *a, **kw: ray.get(method.remote(*a, **kw), timeout=60)
 
 
-def node_actor(kind: str, name: str, **kw: Any) -> ActorProxy:
+def node_actor(kind: str, name: str, *, on_node: str | None = None, **kw: Any) -> ActorProxy:
+    """A :class:`Node` in a Ray actor of its own (``on_node``: pinned to that Ray node)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actor = (
-        ray.remote(Node)
-        .options(num_cpus=0)  # UCX_MODULES and PYTHONPATH come from the job (conftest)
-        .remote(kind, name, in_actor=True, **kw)
-    )
+    options: dict[str, Any] = {"num_cpus": 0}  # UCX_MODULES, PYTHONPATH: from the job (conftest)
+    if on_node is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(on_node, soft=False)
+    actor = ray.remote(Node).options(**options).remote(kind, name, in_actor=True, **kw)
     proxy = ActorProxy(actor)
     proxy.stats()  # wait until constructed: errors surface here
     return proxy
