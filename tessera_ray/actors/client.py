@@ -194,7 +194,13 @@ class TesseraClient:
     def local_pool(self) -> str:
         """A pool on the node this process runs on (reads landing there stay local later), or
         the first pool when this node has none."""
-        return self.node_pool(this_node()) or self.pools[0]
+        return self.node_pool(self.node) or self.pools[0]
+
+    @property
+    def node(self) -> str:
+        """The Ray node this process runs on (a transport reads pools of the same node through
+        their mapped memory)."""
+        return this_node()
 
     # ------------------------------------------------------------------ data path
     #

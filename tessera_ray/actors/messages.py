@@ -103,6 +103,9 @@ class BlockReads:
     verified: bool = False
     """Every held block's bytes were checked against its seal where they landed (a NIXL read
     hashes each page as it arrives), so the reader need not hash them again."""
+    carrier: str = ""
+    """What carried the bytes to the reader: ``"mapped"`` (the pool's memory, mapped in the
+    reader's process), a transport kind (``"nixl"``), or ``""``: a Ray call's payload."""
 
     @classmethod
     def of(
@@ -111,6 +114,7 @@ class BlockReads:
         payloads: np.ndarray,
         *,
         verified: bool = False,
+        carrier: str = "",
     ) -> BlockReads:
         rows, held = [], 0
         for h in block_hashes:
@@ -118,7 +122,7 @@ class BlockReads:
             held += h is not None
         if held != len(payloads):
             raise ValueError(f"{held} blocks held, {len(payloads)} payload rows")
-        return cls(tuple(block_hashes), payloads, tuple(rows), verified)
+        return cls(tuple(block_hashes), payloads, tuple(rows), verified, carrier)
 
     def __len__(self) -> int:
         return len(self.block_hashes)

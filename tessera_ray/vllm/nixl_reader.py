@@ -1,6 +1,8 @@
-"""The connector worker's NIXL path to this node's pool: pinned blocks are read one-sided from
-the pool's registered memory into staging memory the worker registered once, each page hashed
-where it lands and checked against the content hash the pool sealed it under.
+"""The connector worker's path to this node's pool: pinned blocks are copied out of the pool's
+memory, mapped into this process once (a shared-memory slab, or a GPU pool's CUDA IPC handle),
+or read one-sided over NIXL where it cannot be mapped, into staging memory the worker
+registered once; each page is hashed where it lands and checked against the content hash the
+pool sealed it under. A request's blocks are one pin, one copy, one hash pass.
 
 Through Ray's object store a read costs the pool a copy into shared memory and the worker the
 page faults of fresh object-store pages, on every step; over NIXL the bytes cross once, by the
@@ -31,8 +33,16 @@ class PoolReader:
     """Reads blocks pinned in one pool (``peer``) into this process's staging memory."""
 
     def __init__(
-        self, layout: ModelLayout, peer: PeerInfo, *, capacity_blocks: int, name: str
+        self,
+        layout: ModelLayout,
+        peer: PeerInfo,
+        *,
+        capacity_blocks: int,
+        name: str,
+        node: str | None = None,
     ) -> None:
+        """``node``: the Ray node this process runs on; the pool's memory is mapped when the
+        pool publishes the same node (``None``: NIXL only)."""
         check_paged_layout(layout)  # one layer group: a block is one page per layer
         self.layout = layout
         self.layers = layout.num_layers
@@ -40,10 +50,15 @@ class PoolReader:
         self.staging = BlockPool.for_group(
             layout, 0, PoolConfig(num_pages=capacity_blocks * self.layers)
         )
-        self.transport = make_transport(TransportConfig(kind="nixl"), name=name)
+        self.transport = make_transport(TransportConfig(kind="nixl"), name=name, node=node)
         self.transport.register(self.staging)
         self.transport.add_peers([peer])
         self.peer = peer.name
+
+    @property
+    def carrier(self) -> str:
+        """What carries this reader's reads: ``"mapped"`` or ``"nixl"``."""
+        return self.transport.carrier(self.peer)
 
     def fits(self, ticket: PinTicket) -> bool:
         return sum(b is not None for b in ticket.blocks) <= self.capacity_blocks
@@ -57,8 +72,10 @@ class PoolReader:
             raise ValueError(f"{len(held)} blocks do not fit {self.capacity_blocks} staged")
         n, per = len(held), self.layers
         hashes: list[BlockHash | None] = [None] * len(ticket.blocks)
+        carrier = self.carrier
         if not n:
-            return BlockReads.of(hashes, np.empty((0, self.layout.block_bytes), np.uint8))
+            empty = np.empty((0, self.layout.block_bytes), np.uint8)
+            return BlockReads.of(hashes, empty, carrier=carrier)
         remote = [s for _, b in held for s in b.slots[0]]
         seed = content_seed(ticket.namespace, self.layout.fingerprint)
         (request,) = self.transport.read_many(
@@ -72,9 +89,10 @@ class PoolReader:
                 hashes[i] = b.block_hash
                 good.append(j)
             else:
-                log.warning("a block read over NIXL does not match its seal; recomputing it")
+                log.warning("a block read (%s) does not match its seal; recomputing it", carrier)
         rows = self.staging.data[: n * per].view(n, per * self.staging.page_bytes).numpy()
-        return BlockReads.of(hashes, rows if len(good) == n else rows[good], verified=True)
+        payloads = rows if len(good) == n else rows[good]
+        return BlockReads.of(hashes, payloads, verified=True, carrier=carrier)
 
     def repoint(self, peer: PeerInfo) -> None:
         """The pool is a new process (a restart): read from its new agent from now on."""

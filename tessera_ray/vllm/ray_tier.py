@@ -5,9 +5,10 @@ Everything goes through one :class:`~tessera_ray.actors.client.TesseraClient` an
 calls otherwise). A lookup asks this node's pool what it holds (it usually holds the whole run:
 it is where this engine's reads land) and the directory for the rest, and answers each block's
 holders; the worker's read pulls the blocks from those holders into this node's pool (one call
-to it) and reads them there, over NIXL into staging memory registered once where the pool
-serves NIXL (a pin, then a one-sided read), else through Ray's object store. A cross-node hit
-thus asks the directory once and this node's pool twice.
+to it) and reads them there into staging memory registered once (a pin, then one copy out of
+the pool's memory mapped into this process, or a one-sided NIXL read where it cannot be mapped),
+else through Ray's object store. A cross-node hit thus asks the directory once and this node's
+pool twice.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ class RayTier(TierBackend):
     # ---------------------------------------------------------------- set-up
 
     def prepare_reads(self) -> None:
-        """Open the NIXL path to this node's pool (worker side, once): staging memory
-        registered with NIXL, the pool's agent added. Where the pool moves blocks through Ray's
-        object store, or NIXL cannot start, reads go through the object store."""
+        """Open the read path to this node's pool (worker side, once): staging memory
+        registered with NIXL, the pool's agent added and, on the pool's node, its memory mapped
+        (:class:`PoolReader`). Where the pool moves blocks through Ray's object store, or NIXL
+        cannot start, reads go through the object store."""
         if self._reader_tried:
             return
         self._reader_tried = True
@@ -96,6 +98,7 @@ class RayTier(TierBackend):
                 peer,
                 capacity_blocks=blocks,
                 name=f"tessera-connector-{uuid.uuid4().hex[:12]}",
+                node=self.client.node,
             )
         except (PoolUnavailableError, TransportError, TimeoutError) as exc:
             log.warning(

@@ -41,6 +41,9 @@ class _Counts:
     their way."""
     loaded_blocks: int = 0
     """Tier blocks read and verified for loading."""
+    mapped_blocks: int = 0
+    """Of those, the blocks copied out of this node's pool's memory mapped in this process
+    (the rest came over NIXL or in a Ray call's payload)."""
     failed_blocks: int = 0
     """Engine blocks whose load failed (vLLM recomputes them)."""
     saved_blocks: int = 0
@@ -153,6 +156,7 @@ def reduce_counts(data: Mapping[str, float]) -> dict[str, int | float]:
         "lookup_waits": int(data.get("lookup_waits", 0)),
         "store_waits": int(data.get("store_waits", 0)),
         "loaded_blocks": int(data.get("loaded_blocks", 0)),
+        "mapped_blocks": int(data.get("mapped_blocks", 0)),
         "failed_blocks": int(data.get("failed_blocks", 0)),
         "saved_blocks": int(saved),
         "store_ms_per_block": per(data.get("store_s", 0.0), saved, 1e3),

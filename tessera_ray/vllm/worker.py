@@ -186,7 +186,7 @@ class WorkerMover:
         held = 0  # payload rows of the arrays before the current one
         unverified: dict[str, list[TokenKey]] = {}
         t, e = self.tier_tokens, self.engine_tokens
-        verified = 0
+        verified = mapped = 0
         for namespace, group in by_ns.items():
             keys = [k for load in group for k in load.token_keys]
             hits = [h for load in group for h in load.hits]
@@ -216,6 +216,7 @@ class WorkerMover:
                     rows.append(held + reads.rows[first + j])
                 first += len(load.token_keys)
                 verified += len(rows)
+                mapped += len(rows) if reads.carrier == "mapped" else 0
                 end = min(load.rows.stop, load.tier_position + len(rows) * t)
                 if end > load.rows.start:
                     skip = load.rows.start - load.tier_position
@@ -228,7 +229,7 @@ class WorkerMover:
                     outcome.failed_blocks |= load.rows.blocks_from(end, e)
                     outcome.failed_requests.add(load.req_id)
             held += len(reads.payloads)
-        self.counters.add(loaded_blocks=verified)
+        self.counters.add(loaded_blocks=verified, mapped_blocks=mapped)
         if outcome.runs:
             rows_all = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             with warnings.catch_warnings():  # read-only (shared) memory: only ever read here

@@ -1,7 +1,9 @@
-"""The connector worker's NIXL path to its node's pool (``RayTier.read`` after
-``prepare_reads``): pinned blocks read one-sided into staging memory registered once, every page
-checked against its seal where it landed; a rotten page reads as not held; a read larger than
-the staging memory, or a pool without NIXL, goes through Ray's object store, same bytes."""
+"""The connector worker's read path to a pool (``RayTier.read`` after ``prepare_reads``): pinned
+blocks are copied out of the pool's memory mapped into this process when the pool is on this
+process's node, and read one-sided over NIXL from a pool on another node, into staging memory
+registered once; every page is checked against its seal where it landed; a rotten page reads as
+not held; a read larger than the staging memory, or a pool without NIXL, goes through Ray's
+object store, same bytes."""
 
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ def tier(tessera_cluster: SimCluster) -> Iterator[TesseraClient]:
         num_shards=1,
         ray_namespace=RAY_NS,
     )
-    client = TesseraClient.start(config, layout=LAYOUT, pools_on=tessera_cluster.node_ids[:1])
+    # One pool on this process's node (the head) and one on another simulated node.
+    client = TesseraClient.start(config, layout=LAYOUT, pools_on=tessera_cluster.node_ids[:2])
     yield client
     client.stop()
 
@@ -48,14 +51,19 @@ def _blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
     return keys, rows
 
 
-def test_reads_land_over_nixl_and_match_the_seal(tier: TesseraClient) -> None:
+def test_reads_from_this_nodes_pool_copy_its_mapped_memory_and_match_the_seal(
+    tier: TesseraClient,
+) -> None:
     reader = RayTier(TesseraConnectorConfig(ray_namespace=RAY_NS))
+    assert reader.pool == tier.node_pool(tier.node)
     reader.prepare_reads()
-    assert reader._reader is not None, "no NIXL path to the pool"
+    assert reader._reader is not None, "no read path to the pool"
+    assert reader._reader.carrier == "mapped"
     keys, rows = _blocks(4, 1)
     reader.store(NS, keys[:3], rows[:3])
     got = reader.read(NS, keys)  # the 4th was never stored
     assert [g is None for g in got] == [False, False, False, True]
+    assert got.carrier == "mapped" and got.verified
     assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows[:3])
     assert [g.block_hash for g in got if g is not None] == [
         payload_block_hash(LAYOUT, NS, r) for r in rows[:3]
@@ -63,7 +71,7 @@ def test_reads_land_over_nixl_and_match_the_seal(tier: TesseraClient) -> None:
 
     # Page 1 of block 1 rots in the pool's memory: that block reads as not held (the load
     # recomputes it), the others still land.
-    actor = tier.pool(tier.pools[0])
+    actor = tier.pool(reader.pool)
     ticket = ray.get(actor.pin.remote(NS, [keys[1]]))
     slot = ticket.blocks[0].slots[0][1]
     ray.get(actor.unpin.remote(ticket.id))
@@ -71,6 +79,24 @@ def test_reads_land_over_nixl_and_match_the_seal(tier: TesseraClient) -> None:
     got = reader.read(NS, keys[:3])
     assert [g is None for g in got] == [False, True, False]
     assert np.array_equal(got[2].payload, rows[2])  # type: ignore[union-attr]
+    assert reader._reader.transport.mapped_reads >= 2  # both reads took the mapped path
+
+
+def test_reads_from_a_pool_on_another_node_go_over_nixl(
+    tier: TesseraClient, tessera_cluster: SimCluster
+) -> None:
+    other = tier.node_pool(tessera_cluster.node_ids[1])
+    assert other is not None and other != tier.node_pool(tier.node)
+    reader = RayTier(TesseraConnectorConfig(ray_namespace=RAY_NS, pool=other))
+    reader.prepare_reads()
+    assert reader._reader is not None and reader._reader.carrier == "nixl"
+    keys, rows = _blocks(3, 3)
+    reader.store(NS, keys, rows)
+    got = reader.read(NS, keys)
+    assert got.carrier == "nixl" and got.verified
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
+    assert reader._reader.transport.mapped_reads == 0
+    reader.release_reads()
 
 
 def test_a_read_beyond_the_staging_memory_goes_through_the_object_store(
