@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tessera_ray.core import BlockPool, PoolConfig
 from tessera_ray.layout import preset_layout
+from tests._marks import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = GPU_ONLY
 
 
 def test_cuda_pool_dedups_and_views() -> None:

@@ -22,11 +22,9 @@ from tessera_ray.transport import (
     fetch_verified,
     make_transport,
 )
+from tests._marks import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = GPU_ONLY
 
 LAYOUT = preset_layout("deepseek-v3")
 PAGE_BYTES = LAYOUT.groups[0].page.page_bytes

@@ -17,11 +17,9 @@ from tessera_ray.kernels import (
     mla_decode_reference,
 )
 from tessera_ray.models import TinyMLA
+from tests._marks import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = GPU_ONLY
 
 PAGE = 64  # FlashMLA's page
 SCALE = 192**-0.5

@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
-import pytest
 import torch
 
 from tessera_ray.core import BlockPool, PoolConfig
@@ -19,11 +18,9 @@ from tessera_ray.transport import (
     fetch_verified,
     make_transport,
 )
+from tests._marks import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = GPU_ONLY
 
 LAYOUT = preset_layout("deepseek-v3")
 NODE = "gpu-node"
