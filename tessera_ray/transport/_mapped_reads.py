@@ -1,14 +1,15 @@
 """The reads a transport carries through mapped peer memory: the mapped peers, each read from
 its start to the wait or abort that settles it, and their counts.
 
-A read copies out of the peer's mapping into the reader's slots in requests of about
-``hash_chunk_bytes``, each request's pages hashed right after they landed (still in cache),
-then asks whether the owner still lives: a read that finds it gone fails whole, since its bytes
-may be a dead pool's. One read runs at once in the calling thread (no hand-off for what a
-thread switch would only delay); the parts of a split fetch run back to back on the
-transport's own thread, so the caller verifies and seals part ``i`` while part ``i + 1`` is
-copied and hashed (the copy and the hash release the GIL). A part still queued when it is
-aborted never runs; one running finishes its copy first, which takes no longer than a copy.
+A read copies out of the peer's mapping into the reader's slots in chunks of about
+``hash_chunk_bytes`` (at least :data:`MIN_COPY_BYTES`), each chunk's pages hashed right after
+they landed (still in cache), then asks whether the owner still lives: a read that finds it
+gone fails whole, since its bytes may be a dead pool's. One read runs at once in the calling
+thread (no hand-off for what a thread switch would only delay); the parts of a split fetch run
+back to back on the transport's own thread, so the caller verifies and seals part ``i`` while
+part ``i + 1`` is copied and hashed (the copy and the hash release the GIL). A part still
+queued when it is aborted never runs; one running finishes its copy first, which takes no
+longer than a copy.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from tessera_ray.errors import (
 from tessera_ray.transport._mapped import MappedPeer
 from tessera_ray.transport._records import TransferState, TransferTicket
 
-__all__ = ["MappedReads"]
+__all__ = ["MappedReads", "MIN_COPY_BYTES"]
+
+MIN_COPY_BYTES = 1 << 20
+"""glibc copies under about 512 KiB with ``rep movsb``, which some x86 CPUs (AMD EPYC here) run
+at a third of the speed of the vector loop it uses above (docs/same-node.md)."""
 
 Digests = tuple[int, ...] | None
 HashLanded = Callable[[TransferTicket, Sequence[int]], Digests]
@@ -108,7 +113,7 @@ class MappedReads:
     ) -> Digests:
         step = len(local) or 1
         if ticket.hash_seed is not None and self._hash_chunk_bytes:
-            step = max(1, self._hash_chunk_bytes // dst.shape[1])
+            step = max(1, max(self._hash_chunk_bytes, MIN_COPY_BYTES) // dst.shape[1])
         digests: list[int] = []
         for a in range(0, len(local), step):
             peer.copy(ticket.group, remote[a : a + step], dst, local[a : a + step])
