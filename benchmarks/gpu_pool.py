@@ -25,8 +25,9 @@ between two device tensors, on 8-byte words as the pool's own copies, measured i
 The first four aim at half the rate of the device copy (``TARGET``; 0.8 would make hashing
 nearly free beside the copy that brings the pages). Every fetched page is also compared with
 the owner's bytes, after each timed fetch and outside its timing: a row is written only for a
-fetch that delivered exactly what was exported. Exits 77 (skipped) without a CUDA device, so
-no row of this file is recorded on a machine without one.
+fetch that delivered exactly what was exported. Without a CUDA device it records every row,
+with its target, as "not run: no GPU" (nothing measured, nothing estimated) and exits 77
+(skipped).
 """
 
 from __future__ import annotations
@@ -56,9 +57,20 @@ from tessera_ray.transport import (
 )
 
 SKIPPED = 77
+NOT_RUN = "not run: no GPU"
 NAMESPACE = "gpu-check"
 LAYOUT = preset_layout("deepseek-v3")
 TARGET = 0.5
+_ROWS = (
+    ("hash_gpu_pages", TARGET),
+    ("seal_gpu_pages", TARGET),
+    ("verify_gpu_pages", TARGET),
+    ("verified_fetch_gpu_local", TARGET),
+    ("verified_fetch_gpu_nixl", None),
+    ("nixl_read_gpu", None),
+)
+"""The rows measured before the same-node ones, with their targets (what a run without a GPU
+records as not run)."""
 """Hashing, sealing and verifying on the device: at least half the device copy's rate."""
 
 
@@ -216,9 +228,14 @@ def _pair_or_unavailable(
         return Row.unavailable(f"verified_fetch_gpu_{kind}", "GB/s", str(exc))
 
 
+def _not_run(rows: tuple[tuple[str, float | None], ...]) -> list[Row]:
+    return [Row(name=n, value=None, unit="GB/s", target_ratio=t, note=NOT_RUN) for n, t in rows]
+
+
 def main() -> int:
     args = parse_args("gpu_pool")
     if not torch.cuda.is_available():
+        write_result("gpu_pool", args, _not_run(_ROWS) + same_node_device_rows(0, 0))
         print("skipped: this python sees no CUDA device")
         return SKIPPED
     pages = 256 if args.quick else 1024
@@ -265,17 +282,14 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # ---------------------------------------------------------------- same node, two processes
 
 _SAME_NODE = "gpu-same-node"
 _SAME_NODE_ROWS = (
-    "verified_fetch_gpu_same_node",
-    "cuda_ipc_gather",
-    "verified_fetch_gpu_nixl_same_node",
+    ("verified_fetch_gpu_same_node", TARGET),
+    ("cuda_ipc_gather", None),
+    ("verified_fetch_gpu_nixl_same_node", None),
+    ("same_node_vs_nixl_gpu", 100.0),
 )
 
 
@@ -303,9 +317,7 @@ def same_node_device_rows(pages: int, repeat: int) -> list[Row]:
     """The same-node device rows (module docstring): the owner in a second process started
     here, the reader in this one; every fetch checked against the owner's bytes, untimed."""
     if not torch.cuda.is_available():
-        return [
-            Row(name=n, value=None, unit="GB/s", note="not run: no GPU") for n in _SAME_NODE_ROWS
-        ]
+        return _not_run(_SAME_NODE_ROWS)
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     from tessera_ray.transport import DeviceShare
@@ -399,3 +411,7 @@ def same_node_device_rows(pages: int, repeat: int) -> list[Row]:
             note=note,
         ),
     ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

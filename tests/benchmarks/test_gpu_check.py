@@ -382,5 +382,25 @@ def test_gpu_pool_same_node_rows_say_not_run_without_a_gpu() -> None:
         "verified_fetch_gpu_same_node",
         "cuda_ipc_gather",
         "verified_fetch_gpu_nixl_same_node",
+        "same_node_vs_nixl_gpu",
     ]
     assert all(r.value is None and r.note == "not run: no GPU" for r in rows)
+    assert [r.target_ratio for r in rows] == [0.5, None, None, 100.0]
+
+
+@pytest.mark.skipif(gpu_pool.torch.cuda.is_available(), reason="measured where CUDA is")
+def test_gpu_pool_without_a_gpu_records_every_row_as_not_run(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_pool.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_pool.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == gpu_pool.SKIPPED, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 10 and all(r["value"] is None for r in rows)
+    assert all(r["note"] == "not run: no GPU" and r["verdict"] is None for r in rows)
+    targets = {r["name"]: r["target_ratio"] for r in rows}
+    assert targets["seal_gpu_pages"] == targets["verify_gpu_pages"] == 0.5
+    assert targets["same_node_vs_nixl_gpu"] == 100.0

@@ -24,6 +24,8 @@ from tessera_ray.transport import (
     fallback_counts,
     make_transport,
 )
+from tessera_ray.transport._mapped import MappedPeer
+from tessera_ray.transport._mapped_reads import MIN_COPY_BYTES
 
 from ._node import Node
 from .conformance import unique
@@ -74,6 +76,30 @@ def test_same_node_reads_are_copies_out_of_the_mapping_other_nodes_use_nixl(
     assert near.mapped_counts() == (1, 12 * 4096)
     assert far.mapped_counts() == (0, 0) == unknown.mapped_counts()
     for node in (near, far, unknown, owner):
+        node.close()
+
+
+def test_a_read_of_many_chunks_lands_every_page_in_order(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies of at least MIN_COPY_BYTES each (smaller ones take a slow memmove on some
+    CPUs), each chunk hashed where it landed: every byte arrives, and the digests line up with
+    the export's pages."""
+    owner = _owner(shm_dir, "node-a", num_pages=800)
+    near = Node("nixl", unique("near"), node="node-a", num_pages=800)
+    near.add_peers([owner.peer_info()])
+    copies: list[int] = []
+    copy = MappedPeer.copy
+
+    def counted(peer: MappedPeer, group: int, remote: list[int], *rest: object) -> None:
+        copies.append(len(remote))
+        copy(peer, group, remote, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MappedPeer, "copy", counted)
+    _fetch_ok(owner, near, 700)
+    per_chunk = MIN_COPY_BYTES // 4096
+    assert copies == [per_chunk, per_chunk, 700 - 2 * per_chunk]
+    for node in (near, owner):
         node.close()
 
 
