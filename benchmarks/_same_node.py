@@ -23,6 +23,7 @@ whatever carries the bytes, and ``fetch_owner_call`` rows measure it).
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 import time
@@ -171,6 +172,8 @@ def run_same_node(page_bytes: int, n: int, reps: int) -> dict[str, float]:
     finally:
         for actor in (owner, reader):
             ray.kill(actor)
+        # Killed owners never unlink their slabs, and no later pool starts here to sweep them.
+        shutil.rmtree(shm_dir, ignore_errors=True)
     return out
 
 

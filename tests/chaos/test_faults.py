@@ -19,7 +19,7 @@ from tessera_ray.actors.client import FetchResult, TesseraClient
 from tessera_ray.actors.messages import PoolStatus
 from tessera_ray.demo.engine import Engine
 from tests.chaos.ledger import Ledger
-from tests.chaos.workload import Agents, flip_bytes, wait_alive
+from tests.chaos.workload import Agents, flip_bytes, process_of, wait_alive
 
 pytestmark = pytest.mark.ray
 
@@ -54,9 +54,10 @@ def test_pool_kills_under_load(agents: Agents, chaos_tier: TesseraClient, ledger
             time.sleep(_KILL_GAP_S)
             victim = chaos_tier.pools[i % len(chaos_tier.pools)]
             turns = agents.turns
+            pid = process_of(chaos_tier, victim)
             killed = time.monotonic()
             ray.kill(chaos_tier.pool(victim), no_restart=False)
-            back = wait_alive(chaos_tier, victim)
+            back = wait_alive(chaos_tier, victim, killed=pid)
             note = f"back in {time.monotonic() - killed:.1f} s"
             ok = back and _progress_after(agents, turns)
             ledger.fault("pool actor killed (Ray restarts it)", survived=ok, note=note)
@@ -223,12 +224,13 @@ def test_nixl_owner_killed_mid_read(
             except Exception as exc:  # recorded and asserted below
                 errors.append(exc)
 
+        pid = process_of(chaos_tier, owner)
         t = threading.Thread(target=fetch, args=(keys, result, errors))
         t.start()
         time.sleep(delay_s)
         ray.kill(chaos_tier.pool(owner), no_restart=False)
         t.join(120)
-        assert wait_alive(chaos_tier, owner)
+        assert wait_alive(chaos_tier, owner, killed=pid)
         fetched = set(result[0].fetched) if result else set()
         got = chaos_tier.read(cred, [k for k in keys if k in fetched], pool=reader)
         exact = all(

@@ -6,6 +6,7 @@ guessed."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,21 +21,36 @@ from tessera_ray.demo.workload import Request
 from tessera_ray.errors import PoolExhaustedError
 from tests.chaos.ledger import Ledger
 
-__all__ = ["Agents", "wait_alive"]
+__all__ = ["Agents", "process_of", "wait_alive"]
 
 T = TypeVar("T")
 _TRANSIENT = (ray.exceptions.RayError, PoolExhaustedError, TimeoutError, ConnectionError)
 
 
-def wait_alive(client: TesseraClient, pool: str, timeout_s: float = 60.0) -> bool:
-    """Block until ``pool`` answers (a restarted actor answers once its process is back)."""
+def process_of(client: TesseraClient, pool: str) -> int:
+    """The process id of ``pool``'s actor now: a restart runs it in a new process."""
+    return int(ray.get(client.pool(pool).__ray_call__.remote(_pid), timeout=60))
+
+
+def _pid(actor: object) -> int:
+    return os.getpid()
+
+
+def wait_alive(
+    client: TesseraClient, pool: str, timeout_s: float = 60.0, *, killed: int | None = None
+) -> bool:
+    """Block until ``pool`` answers (a restarted actor answers once its process is back).
+    ``killed``: the process id it had when it was killed; only another process counts, since
+    ``ray.kill`` returns before the old process is gone, and that one may still answer."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             ray.get(client.pool(pool).ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            return True
+            if killed is None or process_of(client, pool) != killed:
+                return True
         except ray.exceptions.RayError:
-            time.sleep(0.2)  # the restart is under way; ask again
+            pass  # the restart is under way
+        time.sleep(0.2)
     return False
 
 
