@@ -33,8 +33,8 @@ from tessera_ray.transport._records import TransferState, TransferTicket
 __all__ = ["MappedReads", "MIN_COPY_BYTES"]
 
 MIN_COPY_BYTES = 1 << 20
-"""glibc copies under about 512 KiB with ``rep movsb``, which some x86 CPUs (AMD EPYC here) run
-at a third of the speed of the vector loop it uses above (docs/same-node.md)."""
+"""glibc copies under about 512 KiB with ``rep movsb``, which some x86 CPUs run far slower than
+the vector loop it uses above (figures in docs/same-node.md)."""
 
 Digests = tuple[int, ...] | None
 HashLanded = Callable[[TransferTicket, Sequence[int]], Digests]
