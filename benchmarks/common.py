@@ -90,6 +90,17 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "transport": _TIER,
     "peers": (*_TIER, "benchmarks/_peers.py", "benchmarks/_peer_sides.py"),
     "fleet": (*_TIER, "tessera_ray/demo", "tessera_ray/models", "benchmarks/_prefill.py"),
+    "trace": (
+        "tessera_ray/serve/routing.py",
+        "tessera_ray/actors/directory.py",
+        "tessera_ray/actors/_eviction.py",
+        "tessera_ray/layout",
+        "benchmarks/_trace_input.py",
+        "benchmarks/_trace_routers.py",
+        "benchmarks/_trace_sim.py",
+        "benchmarks/_trace_tier.py",
+        "benchmarks/profiles",
+    ),
     "kernels": ("tessera_ray/kernels", "tessera_ray/layout", "tessera_ray/core"),
     "engine": _ENGINE,
     "serve": (

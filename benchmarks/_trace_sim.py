@@ -1,0 +1,308 @@
+"""A discrete-event simulation of an LLM fleet replaying a request trace: R engine replicas on
+N nodes, each replica with its own prefix cache and queue, each node with a tier pool and disk.
+
+What is simulated is time; the decisions are the project's own code: routers call the real
+routing functions, tier hits are what the real directory shards answer, and pool residency
+follows the pool's own eviction order (``_trace_tier.py``).
+
+One replica's life of a request (times from the :class:`ModelProfile`):
+1. arrival: the router picks a replica; the request waits in its FIFO queue;
+2. start, when the replica's prefill engine is free, fewer than ``max_running`` requests
+   decode there and its cache has room for the request's KV: the leading blocks in its own
+   cache are hits; with the tier on, the following blocks the directory finds (this node's
+   pool, another node's pool, any disk) are loaded, the rest computed. Loading and prefill
+   hold the replica's prefill engine (loads are not overlapped with other work: pessimistic
+   for the tier);
+3. first token when the prefill ends (TTFT); the prompt's full blocks become hits in the
+   replica's cache and are stored into its node's pool;
+4. done after ``output_length`` decode steps, which run beside later prefills.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from _trace_input import TRACE_BLOCK_TOKENS, ModelProfile, TraceError, TraceRequest
+from _trace_tier import EngineCache, NodeTier, SimDirectory
+
+from tessera_ray.actors.directory import Tier
+from tessera_ray.core.hashing import token_key
+from tessera_ray.core.results import TokenKey
+from tessera_ray.layout import preset_layout
+
+__all__ = ["Router", "Replica", "Fleet", "RunStats", "request_keys", "bound_tokens"]
+
+_ARRIVE, _PREFILLED, _DONE = 0, 1, 2
+
+
+def request_keys(requests: Sequence[TraceRequest]) -> list[list[TokenKey]]:
+    """Per request, the chained token keys of its full blocks (one per trace block)."""
+    memo: dict[tuple[TokenKey | None, int], TokenKey] = {}
+    out = []
+    for r in requests:
+        keys: list[TokenKey] = []
+        parent: TokenKey | None = None
+        for hid in r.hash_ids[: r.full_blocks]:
+            k = memo.get((parent, hid))
+            if k is None:
+                k = memo[(parent, hid)] = token_key("trace", "trace-blocks", parent, [hid])
+            keys.append(k)
+            parent = k
+        out.append(keys)
+    return out
+
+
+def bound_tokens(requests: Sequence[TraceRequest], keys: Sequence[Sequence[TokenKey]]) -> int:
+    """Prompt tokens computed with an unbounded cache shared by all, filled on arrival: the
+    leading full blocks seen in any earlier request are not computed."""
+    seen: set[TokenKey] = set()
+    computed = 0
+    for r, ks in zip(requests, keys, strict=True):
+        hit = 0
+        while hit < len(ks) and ks[hit] in seen:
+            hit += 1
+        computed += r.input_length - hit * TRACE_BLOCK_TOKENS
+        seen.update(ks)
+    return computed
+
+
+@dataclass
+class Replica:
+    index: int
+    node: int
+    pool: str
+    cache: EngineCache
+    waiting: deque[int] = field(default_factory=deque)
+    running: int = 0
+    busy: bool = False
+    active_blocks: int = 0
+    """Blocks of the requests routed here and not finished (a KV router's decode load)."""
+    busy_s: float = 0.0
+
+    @property
+    def queue_len(self) -> int:
+        return len(self.waiting) + self.running
+
+
+class Router(Protocol):
+    name: str
+
+    def choose(self, fleet: Fleet, req: TraceRequest, keys: Sequence[TokenKey]) -> int: ...
+
+
+@dataclass
+class RunStats:
+    router: str
+    replicas: int
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    local_tokens: int = 0
+    tier_node_tokens: int = 0
+    tier_remote_tokens: int = 0
+    disk_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    busy_s: list[float] = field(default_factory=list)
+    spilled_blocks: int = 0
+    choices: dict[str, int] = field(default_factory=dict)
+
+    def ttft(self, q: float) -> float:
+        xs = sorted(self.ttft_s)
+        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+    @property
+    def load_spread(self) -> float:
+        """Busiest replica's prefill-engine time over the mean (1.0: even)."""
+        mean = statistics.fmean(self.busy_s)
+        return max(self.busy_s) / mean if mean else 1.0
+
+
+class Fleet:
+    """Replicas on nodes, their caches, the tier, and the event loop that replays a trace."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        num_replicas: int,
+        *,
+        tier: bool,
+        num_shards: int = 4,
+    ) -> None:
+        self.profile = profile
+        self.tier = tier
+        self.now = 0.0
+        per_token = preset_layout(profile.model_preset).paged_bytes_per_token
+        self.block_bytes = int(per_token * TRACE_BLOCK_TOKENS)
+        self.directory = SimDirectory(num_shards)
+        self.holders: dict[TokenKey, set[int]] = {}
+        per_node = profile.replicas_per_node
+        self.num_nodes = math.ceil(num_replicas / per_node)
+        self.nodes = [
+            NodeTier(
+                f"pool-{n}",
+                self.directory,
+                profile.pool_bytes_per_node // self.block_bytes if self.tier else 0,
+                profile.disk_bytes_per_node // self.block_bytes if self.tier else 0,
+            )
+            for n in range(self.num_nodes)
+        ]
+        self.replicas = [
+            Replica(
+                i,
+                i // per_node,
+                f"pool-{i // per_node}",
+                EngineCache(profile.engine_cache_tokens, i, self.holders),
+            )
+            for i in range(num_replicas)
+        ]
+        self._events: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+
+    # ------------------------------------------------------------------ events
+
+    def _at(self, t: float, kind: int, req: int, replica: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, req, replica))
+
+    def run(
+        self,
+        requests: Sequence[TraceRequest],
+        keys: Sequence[Sequence[TokenKey]],
+        router: Router,
+        *,
+        time_scale: float,
+        on_choice: Callable[[str], None] | None = None,
+    ) -> RunStats:
+        """Replay ``requests`` (arrival times multiplied by ``time_scale``) through
+        ``router``; returns what happened."""
+        self._reqs, self._keys, self._router = requests, keys, router
+        self._private: dict[int, int] = {}  # started request -> its private KV tokens
+        self._arrival_s: dict[int, float] = {}
+        self.stats = RunStats(router.name, len(self.replicas))
+        for i, r in enumerate(requests):
+            self._at(r.arrival_ms / 1e3 * time_scale, _ARRIVE, i, -1)
+        while self._events:
+            t, _, kind, i, rep = heapq.heappop(self._events)
+            self.now = t
+            if kind == _ARRIVE:
+                self._arrive(i)
+            elif kind == _PREFILLED:
+                self._prefilled(i, rep)
+            else:
+                self._done(i, rep)
+        stuck = [r.index for r in self.replicas if r.waiting]
+        if stuck:
+            raise TraceError(f"requests left waiting on replica(s) {stuck[:5]}: KV too small")
+        self.stats.busy_s = [r.busy_s for r in self.replicas]
+        self.stats.spilled_blocks = sum(n.spilled_blocks for n in self.nodes)
+        return self.stats
+
+    def _arrive(self, i: int) -> None:
+        req = self._reqs[i]
+        rep = self.replicas[self._router.choose(self, req, self._keys[i])]
+        rep.waiting.append(i)
+        rep.active_blocks += self.blocks_of(req)
+        self._arrival_s[i] = self.now
+        self._try_start(rep)
+
+    @staticmethod
+    def blocks_of(req: TraceRequest) -> int:
+        return math.ceil((req.input_length + req.output_length) / TRACE_BLOCK_TOKENS)
+
+    def _try_start(self, rep: Replica) -> None:
+        if rep.busy or not rep.waiting or rep.running >= self.profile.max_running:
+            return
+        i = rep.waiting[0]
+        req, keys = self._reqs[i], self._keys[i]
+        private = req.input_length - len(keys) * TRACE_BLOCK_TOKENS + req.output_length
+        hit = rep.cache.hit_run(keys)
+        plan = self._tier_plan(rep, keys[hit:]) if self.tier else []
+        if not rep.cache.admit(keys, private):
+            if rep.running == 0:
+                raise TraceError(
+                    f"request {req.index} needs {req.input_length + req.output_length} KV "
+                    f"tokens, more than a replica's engine_cache_tokens "
+                    f"({self.profile.engine_cache_tokens})"
+                )
+            return  # waits for a running request to release its KV
+        rep.waiting.popleft()
+        self._private[i] = private
+        loaded = len(plan)
+        load_s = self._load(rep, keys[hit : hit + loaded], plan)
+        # As vLLM, the last prompt token is always computed (its logits give the first token).
+        cached = min((hit + loaded) * TRACE_BLOCK_TOKENS, req.input_length - 1)
+        new = req.input_length - cached
+        s = self.stats
+        s.prompt_tokens += req.input_length
+        s.computed_tokens += new
+        local = min(hit * TRACE_BLOCK_TOKENS, cached)
+        s.local_tokens += local
+        # The recomputed last token, when it was in a loaded block, is not a tier hit.
+        s.tier_node_tokens -= (
+            (hit + loaded) * TRACE_BLOCK_TOKENS - cached - (hit * TRACE_BLOCK_TOKENS - local)
+        )
+        prefill_s = self.profile.prefill_s(new, cached)
+        rep.busy = True
+        rep.running += 1
+        rep.busy_s += load_s + prefill_s
+        self._at(self.now + load_s + prefill_s, _PREFILLED, i, rep.index)
+
+    def _tier_plan(self, rep: Replica, keys: Sequence[TokenKey]) -> list[Tier | str]:
+        """Per leading block the directory holds: where it is read from ('node', 'remote'
+        or DISK), stopping at the first block no replica holds."""
+        plan: list[Tier | str] = []
+        if not keys:
+            return plan
+        for result in self.directory.lookup(keys):
+            if result is None or not result.replicas:
+                break
+            pools = {r.pool for r in result.replicas if r.tier == Tier.MEMORY}
+            if rep.pool in pools:
+                plan.append("node")
+            elif pools:
+                plan.append("remote")
+            else:
+                plan.append(Tier.DISK)
+        return plan
+
+    def _load(self, rep: Replica, keys: Sequence[TokenKey], plan: Sequence[Tier | str]) -> float:
+        """Time to bring ``keys`` into the engine; blocks from elsewhere land in this node's
+        pool first (the tier fetches into the reader's pool), so the next reader here finds
+        them."""
+        if not keys:
+            return 0.0
+        p, s = self.profile, self.stats
+        remote = sum(1 for w in plan if w == "remote")
+        disk = sum(1 for w in plan if w == Tier.DISK)
+        s.tier_remote_tokens += remote * TRACE_BLOCK_TOKENS
+        s.disk_tokens += disk * TRACE_BLOCK_TOKENS
+        s.tier_node_tokens += (len(keys) - remote - disk) * TRACE_BLOCK_TOKENS
+        node = self.nodes[rep.node]
+        node.store([k for k, w in zip(keys, plan, strict=True) if w != "node"])
+        node.touch(keys)
+        gb = self.block_bytes / 1e9
+        return gb * (len(keys) / p.same_node_gb_s + remote / p.cross_node_gb_s + disk / p.disk_gb_s)
+
+    def _prefilled(self, i: int, r: int) -> None:
+        rep = self.replicas[r]
+        keys = self._keys[i]
+        self.stats.ttft_s.append(self.now - self._arrival_s.pop(i))
+        rep.cache.ready(keys)
+        if self.tier:
+            self.nodes[rep.node].store(keys)
+        rep.busy = False
+        steps = self._reqs[i].output_length
+        self._at(self.now + steps * self.profile.decode_s_per_token, _DONE, i, r)
+        self._try_start(rep)
+
+    def _done(self, i: int, r: int) -> None:
+        rep = self.replicas[r]
+        rep.cache.release(self._keys[i], self._private.pop(i))
+        rep.running -= 1
+        rep.active_blocks -= self.blocks_of(self._reqs[i])
+        self._try_start(rep)

@@ -1,0 +1,260 @@
+"""bench_trace.py's fleet simulator: a hand-written trace whose hits, tokens computed and order of
+events are worked out by hand, the routers' rules, input validation, and ``--quick``."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.contract import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _trace_input import (
+    TRACE_BLOCK_TOKENS,
+    ModelProfile,
+    TraceError,
+    TraceRequest,
+    load_profile,
+    parse_trace_lines,
+    profile_from_dict,
+)
+from _trace_routers import OverlapMinusLoad, RayPrefixAffinity, RoundRobin, TesseraRouter
+from _trace_sim import Fleet, bound_tokens, request_keys
+from bench_trace import DEFAULT_PROFILE
+
+sys.path.pop(0)
+
+BLOCK_BYTES = TRACE_BLOCK_TOKENS * 31_104  # deepseek-v2-lite: 31,104 B per token
+GBPS_1MS = BLOCK_BYTES / 1e9 / 1e-3  # GB/s at which one trace block takes 1 ms
+
+
+def profile(**over: object) -> ModelProfile:
+    """1 ms per prompt token, no attention term, 10 ms per output token, one replica a node,
+    1 ms per block from this node's pool and 1 ms more from another node's."""
+    raw: dict[str, object] = {
+        "name": "hand",
+        "model_preset": "deepseek-v2-lite",
+        "prefill_s_per_token": 1e-3,
+        "attention_s_per_pair": 0.0,
+        "decode_s_per_token": 1e-2,
+        "max_running": 4,
+        "engine_cache_tokens": 100_000,
+        "replicas_per_node": 1,
+        "pool_bytes_per_node": 1 << 40,
+        "disk_bytes_per_node": 0,
+        "same_node_gb_s": GBPS_1MS,
+        "cross_node_gb_s": GBPS_1MS,
+        "disk_gb_s": 1.0,
+    }
+    raw.update(over)
+    return profile_from_dict(raw)
+
+
+def trace(*reqs: tuple[float, int, int, list[int]]) -> list[TraceRequest]:
+    lines = [
+        json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids})
+        for t, n, o, ids in reqs
+    ]
+    return parse_trace_lines(lines)
+
+
+HAND = trace(
+    (0, 1024, 10, [1, 2]),  # A -> replica 0: computes 1024, first token at 1.024 s
+    (500, 1536, 0, [1, 2, 3]),  # B -> replica 1 (node 1), nothing stored yet: computes 1536
+    (2000, 1536, 0, [1, 2, 4]),  # C -> replica 0: [1, 2] in its own cache, computes 512
+    (3000, 1100, 0, [1, 2, 5]),  # D -> replica 1: two full blocks cached, computes 76
+    (4000, 2048, 0, [1, 2, 3, 6]),  # E -> replica 0: [1, 2] own, [3] on node 1's pool
+)
+
+
+def run(
+    reqs: list[TraceRequest], *, tier: bool, replicas: int = 2, prof: ModelProfile | None = None
+):
+    fleet = Fleet(prof or profile(), replicas, tier=tier)
+    return fleet, fleet.run(reqs, request_keys(reqs), RoundRobin(), time_scale=1.0)
+
+
+def test_hand_trace_without_the_tier() -> None:
+    _, s = run(HAND, tier=False)
+    assert s.prompt_tokens == 1024 + 1536 + 1536 + 1100 + 2048
+    # E finds only [1, 2] on replica 0 and computes its last two blocks.
+    assert s.computed_tokens == 1024 + 1536 + 512 + 76 + 1024
+    assert s.local_tokens == 0 + 0 + 1024 + 1024 + 1024
+    assert s.tier_node_tokens == s.tier_remote_tokens == s.disk_tokens == 0
+    # First tokens in the order prefills end: A 1.024, B 0.5 + 1.536, C, D, E.
+    assert s.ttft_s == pytest.approx([1.024, 1.536, 0.512, 0.076, 1.024])
+
+
+def test_hand_trace_with_the_tier_reads_another_nodes_pool() -> None:
+    fleet, s = run(HAND, tier=True)
+    # E: [1, 2] from replica 0's own cache, [3] read from node 1's pool (stored by B at
+    # 2.036 s) in 2 ms, then 512 tokens computed.
+    assert s.computed_tokens == 1024 + 1536 + 512 + 76 + 512
+    assert s.tier_remote_tokens == 512 and s.tier_node_tokens == 0
+    assert s.ttft_s == pytest.approx([1.024, 1.536, 0.512, 0.076, 0.002 + 0.512])
+    # The block read from node 1 now has a replica in node 0's pool as well.
+    k3 = request_keys(HAND)[4][2]
+    (found,) = fleet.directory.lookup([k3])
+    assert found is not None and {r.pool for r in found.replicas} == {"pool-0", "pool-1"}
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    _, s = run(trace((0, 1024, 0, [1, 2]), (2000, 1024, 0, [1, 2])), tier=False, replicas=1)
+    assert s.computed_tokens == 1024 + 1
+    assert s.ttft_s == pytest.approx([1.024, 0.001])
+
+
+def test_a_full_batch_holds_the_next_request_until_a_decode_ends() -> None:
+    reqs = trace((0, 1024, 100, [1, 2]), (100, 512, 0, [9]))
+    _, s = run(reqs, tier=False, replicas=1, prof=profile(max_running=1))
+    # A: prefill to 1.024 s, 100 decode steps to 2.024 s; B starts then: 2.536 - 0.1.
+    assert s.ttft_s == pytest.approx([1.024, 2.436])
+
+
+def test_a_replica_without_kv_room_waits_and_one_too_small_is_refused() -> None:
+    reqs = trace((0, 1024, 0, [1, 2]), (0, 1024, 0, [3, 4]))
+    _, s = run(reqs, tier=False, replicas=1, prof=profile(engine_cache_tokens=1024))
+    assert s.ttft_s == pytest.approx([1.024, 2.048])  # B waits for A's blocks to be evictable
+    with pytest.raises(TraceError, match="engine_cache_tokens"):
+        run(reqs, tier=False, replicas=1, prof=profile(engine_cache_tokens=1000))
+
+
+def test_bound_counts_every_block_seen_before() -> None:
+    assert bound_tokens(HAND, request_keys(HAND)) == 1024 + 512 + 512 + 76 + 512
+
+
+def test_ray_prefix_router_keeps_a_shared_prefix_on_one_replica() -> None:
+    reqs = trace((0, 1536, 0, [1, 2, 3]), (10, 1536, 0, [1, 2, 7]), (20, 512, 0, [8]))
+    keys = request_keys(reqs)
+    fleet = Fleet(profile(), 4, tier=False)
+    router = RayPrefixAffinity(seed=1, num_replicas=4)
+    first = router.choose(fleet, reqs[0], keys[0])
+    fleet.replicas[first].waiting.append(0)  # its queue grows, as in the fleet
+    # 2 of 3 characters match (above the 0.1 threshold): the same replica despite its queue.
+    assert router.choose(fleet, reqs[1], keys[1]) == first
+    # No match: the replicas with the fewest characters in the tree, i.e. not ``first``.
+    assert router.choose(fleet, reqs[2], keys[2]) != first
+
+
+def test_overlap_router_weighs_cached_blocks_against_active_ones() -> None:
+    reqs = trace((0, 1536, 0, [1, 2, 3]), (5000, 1536, 0, [1, 2, 9]))
+    fleet = Fleet(profile(), 3, tier=False)
+    keys = request_keys(reqs)
+    fleet.replicas[1].cache.admit(keys[0], 0)
+    fleet.replicas[1].cache.ready(keys[0])
+    router = OverlapMinusLoad(seed=0)
+    assert router.choose(fleet, reqs[1], keys[1]) == 1  # 1 block to prefill there, 3 elsewhere
+    fleet.replicas[1].active_blocks = 5  # 1 + 5 > 3 + 0: the idle replicas win now
+    assert router.choose(fleet, reqs[1], keys[1]) in (0, 2)
+
+
+def test_tessera_router_follows_the_directory_to_the_holding_node() -> None:
+    reqs = trace((0, 1536, 0, [1, 2, 3]), (5000, 1536, 0, [1, 2, 9]))
+    keys = request_keys(reqs)
+    fleet = Fleet(profile(replicas_per_node=2), 6, tier=True)
+    fleet.nodes[2].store(keys[0])  # node 2's pool holds the first request's blocks
+    router = TesseraRouter(seed=0, tier=True, routed_memory_s=0.0)
+    for _ in range(5):
+        assert fleet.replicas[router.choose(fleet, reqs[1], keys[1])].node == 2
+    assert router.choices == {"tier": 5}
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}', "missing field"),
+        ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+        (
+            '{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}',
+            "expected 2",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 1.5, "hash_ids": [1]}',
+            "output_length",
+        ),
+    ],
+)
+def test_a_bad_trace_line_is_refused_with_its_number(line: str, why: str) -> None:
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'
+    with pytest.raises(TraceError, match=rf"line 3: .*{why}"):
+        parse_trace_lines([good, good, line, good])
+
+
+def test_the_default_profile_loads_and_bad_profiles_are_refused(tmp_path: Path) -> None:
+    p = load_profile(DEFAULT_PROFILE)
+    assert p.replicas_per_node == 8 and p.prefill_s(1000, 0) > 0
+    with pytest.raises(TraceError, match=r"missing figure.*disk_gb_s"):
+        raw = json.loads(DEFAULT_PROFILE.read_text())
+        del raw["disk_gb_s"]
+        profile_from_dict(raw)
+    with pytest.raises(TraceError, match="decode_s_per_token must be a finite number >= 0"):
+        profile(decode_s_per_token=-1.0)
+    with pytest.raises(TraceError, match="max_running must be > 0"):
+        profile(max_running=0)
+    bad = tmp_path / "p.json"
+    bad.write_text("{")
+    with pytest.raises(TraceError, match="not valid JSON"):
+        load_profile(bad)
+
+
+def _synthetic_trace(path: Path, sessions: int = 60, seed: int = 3) -> None:
+    """Conversations: each turn repeats the session's earlier blocks and adds some."""
+    rng = random.Random(seed)
+    next_id, lines, t = 1, [], 0
+    for _session in range(sessions):
+        ids = [0]
+        for _turn in range(rng.randint(1, 4)):
+            ids += list(range(next_id, next_id + rng.randint(1, 6)))
+            next_id = ids[-1] + 1
+            n = (len(ids) - 1) * TRACE_BLOCK_TOKENS + rng.randint(1, TRACE_BLOCK_TOKENS)
+            t += rng.randint(0, 800)
+            obj = {"timestamp": t, "input_length": n, "output_length": 50, "hash_ids": ids}
+            lines.append(json.dumps(obj))
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_router_and_the_targets(tmp_path: Path) -> None:
+    src = tmp_path / "trace.jsonl"
+    _synthetic_trace(src)
+    out = tmp_path / "trace.json"
+    cmd = [sys.executable, "benchmarks/bench_trace.py", "--quick", "--trace", str(src)]
+    subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=60)
+    doc = json.loads(out.read_text())
+    names = {r["name"] for r in doc["rows"]}
+    for router in ("round_robin", "power_of_two", "ray_prefix", "overlap_load", "tessera"):
+        assert f"{router}_64_tokens_computed" in names and f"{router}_8_ttft_p90" in names
+    target = {r["name"]: r for r in doc["rows"] if r["target_ratio"] is not None}
+    assert "tessera_vs_ray_prefix_ttft_p90_64" in target
+    bound = next(r["value"] for r in doc["rows"] if r["name"] == "bound_64_tokens_computed")
+    for r in doc["rows"]:  # nobody computes fewer tokens than the bound
+        if r["name"].endswith("_tokens_computed"):
+            assert r["value"] >= bound
+    assert (out.parent / "trace.png").stat().st_size > 0
+
+
+def test_a_bad_trace_stops_the_benchmark_before_it_runs(tmp_path: Path) -> None:
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"timestamp": 0}\n')
+    got = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_trace.py",
+            "--trace",
+            str(src),
+            "--out",
+            str(tmp_path / "o.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == 2 and "line 1: missing field(s)" in got.stderr
+    assert not (tmp_path / "o.json").exists()
