@@ -18,7 +18,10 @@ state.
   done, plus this one's); the lowest cost wins (temperature 0).
 - ``tessera``: the project's :func:`choose_replica` over node pools as its Serve router calls
   it (the directory's answer and the routed-block memory, ``max_queue_gap`` 2, memory 30 s);
-  ``tessera_local``: the same rule and memory with no tier, each replica its own "pool".
+  ``tessera_local``: the same rule and memory with no tier, each replica its own "pool";
+  ``tessera_blocks``: a what-if, the same rule with the tier fed each replica's outstanding
+  blocks (routed, not finished: what a router can count itself) as its queue, and
+  ``max_queue_gap`` in blocks, instead of Serve's request counts.
 """
 
 from __future__ import annotations
@@ -144,9 +147,16 @@ class TesseraRouter:
     """The project's routing choice; ``tier`` False: no directory, only the routed memory."""
 
     def __init__(
-        self, seed: int, *, tier: bool, max_queue_gap: int = 2, routed_memory_s: float = 30.0
+        self,
+        seed: int,
+        *,
+        tier: bool,
+        max_queue_gap: int = 2,
+        routed_memory_s: float = 30.0,
+        queue_in_blocks: bool = False,
     ) -> None:
         self.name = "tessera" if tier else "tessera_local"
+        self._in_blocks = queue_in_blocks
         self._rng = random.Random(seed)
         self._tier = tier
         self._gap = max_queue_gap
@@ -165,7 +175,11 @@ class TesseraRouter:
         results = fleet.directory.lookup(keys) if self._tier and keys else [None] * len(keys)
         routed = self._routed.pools(keys)
         states = [
-            ReplicaState(str(r.index), self._pool(fleet, r.index), r.queue_len)
+            ReplicaState(
+                str(r.index),
+                self._pool(fleet, r.index),
+                r.active_blocks if self._in_blocks else r.queue_len,
+            )
             for r in fleet.replicas
         ]
         choice = choose_replica(
