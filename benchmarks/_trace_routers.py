@@ -17,11 +17,11 @@ state.
   known from KV events) ``+`` its active blocks (blocks of requests routed there and not
   done, plus this one's); the lowest cost wins (temperature 0).
 - ``tessera``: the project's :func:`choose_replica` over node pools as its Serve router calls
-  it (the directory's answer and the routed-block memory, ``max_queue_gap`` 2, memory 30 s);
-  ``tessera_local``: the same rule and memory with no tier, each replica its own "pool";
-  ``tessera_blocks``: a what-if, the same rule with the tier fed each replica's outstanding
-  blocks (routed, not finished: what a router can count itself) as its queue, and
-  ``max_queue_gap`` in blocks, instead of Serve's request counts.
+  it at its defaults: the directory's answer and the routed-block memory (30 s) per pool and
+  per replica, load in the prompt tokens of each replica's unfinished requests as the router
+  counts them, ``max_token_gap`` 16384; ``tessera_local``: the same with no tier, each replica
+  its own "pool"; ``tessera_requests``: with the tier, load in request counts (Serve's queue
+  lengths) and ``max_queue_gap`` 2, the router's ``balance_on="requests"``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from collections.abc import Sequence
 
 from _trace_input import TRACE_BLOCK_TOKENS, TraceRequest
 from _trace_sim import Fleet
+from _trace_sim import Replica as SimReplica
 
 from tessera_ray.core.results import TokenKey
 from tessera_ray.serve.routing import (
+    OutstandingTokens,
     ReplicaState,
     RoutedBlocks,
     choose_replica,
@@ -151,17 +153,20 @@ class TesseraRouter:
         seed: int,
         *,
         tier: bool,
+        balance_on: str = "prompt_tokens",
         max_queue_gap: int = 2,
+        max_token_gap: int = 16384,
         routed_memory_s: float = 30.0,
-        queue_in_blocks: bool = False,
     ) -> None:
         self.name = "tessera" if tier else "tessera_local"
-        self._in_blocks = queue_in_blocks
         self._rng = random.Random(seed)
         self._tier = tier
-        self._gap = max_queue_gap
+        self._by_tokens = balance_on == "prompt_tokens"
+        self._gap = max_token_gap if self._by_tokens else max_queue_gap
         self._fleet: Fleet | None = None
         self._routed = RoutedBlocks(routed_memory_s, clock=self._clock)
+        self._routed_replicas = RoutedBlocks(routed_memory_s, clock=self._clock)
+        self._outstanding = OutstandingTokens(clock=self._clock)
         self.choices: dict[str, int] = {}
 
     def _clock(self) -> float:
@@ -170,16 +175,15 @@ class TesseraRouter:
     def _pool(self, fleet: Fleet, i: int) -> str:
         return fleet.replicas[i].pool if self._tier else f"replica-{i}"
 
+    def _load(self, rep: SimReplica) -> int:
+        return self._outstanding.of(str(rep.index)) if self._by_tokens else rep.queue_len
+
     def choose(self, fleet: Fleet, req: TraceRequest, keys: Sequence[TokenKey]) -> int:
         self._fleet = fleet
         results = fleet.directory.lookup(keys) if self._tier and keys else [None] * len(keys)
         routed = self._routed.pools(keys)
         states = [
-            ReplicaState(
-                str(r.index),
-                self._pool(fleet, r.index),
-                r.active_blocks if self._in_blocks else r.queue_len,
-            )
+            ReplicaState(str(r.index), self._pool(fleet, r.index), self._load(r))
             for r in fleet.replicas
         ]
         choice = choose_replica(
@@ -188,8 +192,16 @@ class TesseraRouter:
             max_queue_gap=self._gap,
             rng=self._rng,
             stored_by_pool=leading_blocks_by_pool(results),
+            routed_by_replica=leading_blocks_by_pool(
+                [None] * len(keys), self._routed_replicas.pools(keys)
+            ),
         )
         self.choices[choice.reason.value] = self.choices.get(choice.reason.value, 0) + 1
         pick = int(choice.replica_id)
         self._routed.note(keys, self._pool(fleet, pick))
+        self._routed_replicas.note(keys, choice.replica_id)
+        self._outstanding.add(str(req.index), choice.replica_id, req.input_length)
         return pick
+
+    def completed(self, req: TraceRequest, replica: int) -> None:
+        self._outstanding.done(str(req.index))

@@ -303,6 +303,9 @@ class Fleet:
     def _done(self, i: int, r: int) -> None:
         rep = self.replicas[r]
         rep.cache.release(self._keys[i], self._private.pop(i))
+        completed = getattr(self._router, "completed", None)
+        if completed is not None:  # a router that counts its own outstanding work
+            completed(self._reqs[i], r)
         rep.running -= 1
         rep.active_blocks -= self.blocks_of(self._reqs[i])
         self._try_start(rep)

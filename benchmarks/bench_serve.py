@@ -44,7 +44,7 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # run name -> (router, router s
     "tessera_directory_only": ("tessera", {"routed_memory_s": 0.0}),
     # Never spreading a hot prefix, as Ray's prefix-affinity router by default (its
     # imbalanced_threshold is infinite): tokens computed at the same balance policy.
-    "tessera_no_spread": ("tessera", {"max_queue_gap": 1 << 20}),
+    "tessera_no_spread": ("tessera", {"max_queue_gap": 1 << 20, "max_token_gap": 1 << 40}),
 }
 OTHERS = ("power_of_two", "prefix_affinity")
 REASONS = ("tier", "routed", "balanced", "fallback")

@@ -4,8 +4,8 @@ simulated is time; routing, directory answers and pool residency are the project
 
 Routers (``_trace_routers.py``): round-robin; power-of-two; Ray Serve LLM's
 ``PrefixCacheAffinityRouter`` (Ray's own prefix tree); Dynamo's overlap-minus-load cost; the
-tier-aware router with no tier (local caches only) and with the tier; a what-if of the same
-rule fed outstanding blocks as its load (``tessera_blocks``). The bound no router can
+tier-aware router with no tier (local caches only) and with the tier, balancing on prompt
+tokens (its default) and on request counts (``tessera_requests``). The bound no router can
 beat: an unbounded cache shared by all, where every block seen in an earlier request is a hit.
 
 Load: the trace's arrival times are scaled so that each replica count sees the same offered
@@ -58,8 +58,8 @@ ROUTERS = (
     "ray_prefix",
     "overlap_load",
     "tessera_local",
+    "tessera_requests",
     "tessera",
-    "tessera_blocks",
 )
 TARGET_REPLICAS = (64, 512)
 
@@ -72,10 +72,7 @@ def make_router(name: str, replicas: int, seed: int) -> Router:
         "overlap_load": lambda: OverlapMinusLoad(seed),
         "tessera_local": lambda: TesseraRouter(seed, tier=False),
         "tessera": lambda: TesseraRouter(seed, tier=True),
-        # max_queue_gap in blocks: about one average request (24 trace blocks).
-        "tessera_blocks": lambda: TesseraRouter(
-            seed, tier=True, queue_in_blocks=True, max_queue_gap=24
-        ),
+        "tessera_requests": lambda: TesseraRouter(seed, tier=True, balance_on="requests"),
     }
     router: Router = table[name]()
     router.name = name
@@ -104,7 +101,7 @@ def simulate(
     """One replay of ``requests`` through ``replicas`` under one router."""
     keys = request_keys(requests) if keys is None else keys
     router = make_router(router_name, replicas, seed)
-    fleet = Fleet(profile, replicas, tier=router_name in ("tessera", "tessera_blocks"))
+    fleet = Fleet(profile, replicas, tier=router_name in ("tessera", "tessera_requests"))
     stats = fleet.run(
         requests, keys, router, time_scale=time_scale(requests, profile, replicas, load)
     )

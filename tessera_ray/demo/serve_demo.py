@@ -46,7 +46,8 @@ class EngineDemoConfig:
     router: str = "tessera"
     router_settings: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`~tessera_ray.serve.llm.ServeLLMSettings`' router fields
-    (``max_queue_gap``, ``routed_memory_s``, ``lookup_timeout_s``)."""
+    (``balance_on``, ``max_token_gap``, ``max_queue_gap``, ``routed_memory_s``,
+    ``lookup_timeout_s``)."""
 
 
 def _wait_ready(client: Any, model: str, timeout_s: float) -> None:

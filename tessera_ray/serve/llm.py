@@ -24,6 +24,7 @@ from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from tessera_ray.errors import TierConfigError
+from tessera_ray.serve.routing import BALANCE_ON
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -67,9 +68,15 @@ class ServeLLMSettings:
     """One of :data:`ROUTERS`."""
     lookup_timeout_s: float = 0.05
     """How long the tier-aware router waits for the directory before power-of-two choices."""
+    balance_on: str = "prompt_tokens"
+    """The tier-aware router's load per replica: ``prompt_tokens`` of its unfinished requests,
+    or ``requests`` (Serve's queue lengths)."""
+    max_token_gap: int = 16384
+    """How many more outstanding prompt tokens the replica holding a prefix may carry than the
+    least loaded one before the router sends the request elsewhere (``prompt_tokens``)."""
     max_queue_gap: int = 2
-    """How many more queued requests the replica holding a prefix may have than the shortest
-    queue before the router sends the request elsewhere."""
+    """As ``max_token_gap``, in queued requests (``requests``, and requests whose tokens the
+    router cannot know)."""
     routed_memory_s: float = 30.0
     """How long the router counts a block it routed to a pool as held there before the
     directory says so (0: only the directory counts)."""
@@ -98,11 +105,16 @@ class ServeLLMSettings:
             raise TierConfigError(
                 f"serve LLM: router must be one of {sorted(ROUTERS)}, got {self.router!r}"
             )
-        if self.lookup_timeout_s <= 0 or self.max_queue_gap < 0 or self.routed_memory_s < 0:
+        gaps = (self.max_queue_gap, self.max_token_gap, self.routed_memory_s)
+        if self.lookup_timeout_s <= 0 or min(gaps) < 0:
             raise TierConfigError(
-                "serve LLM: lookup_timeout_s must be > 0, max_queue_gap and routed_memory_s "
-                f">= 0, got {self.lookup_timeout_s!r}, {self.max_queue_gap!r}, "
-                f"{self.routed_memory_s!r}"
+                "serve LLM: lookup_timeout_s must be > 0, max_queue_gap, max_token_gap and "
+                f"routed_memory_s >= 0, got {self.lookup_timeout_s!r}, {self.max_queue_gap!r}, "
+                f"{self.max_token_gap!r}, {self.routed_memory_s!r}"
+            )
+        if self.balance_on not in BALANCE_ON:
+            raise TierConfigError(
+                f"serve LLM: balance_on must be one of {BALANCE_ON}, got {self.balance_on!r}"
             )
         owned = sorted(set(self.engine_kwargs) & set(_OWNED_ENGINE_KWARGS))
         if owned:
@@ -151,6 +163,8 @@ class ServeLLMSettings:
                 "lookup_timeout_s": self.lookup_timeout_s,
                 "max_queue_gap": self.max_queue_gap,
                 "routed_memory_s": self.routed_memory_s,
+                "balance_on": self.balance_on,
+                "max_token_gap": self.max_token_gap,
             }
         return config
 

@@ -21,7 +21,17 @@ unknown, or whose lookup the tier does not answer within ``lookup_timeout_s``, i
 (counted): routed on the blocks the router sent somewhere recently, else by power-of-two
 choices. Blocks routed to a pool count as held there for
 ``routed_memory_s`` (:class:`~tessera_ray.serve.routing.RoutedBlocks`), so requests that share a
-prefix and arrive before its first prefill has stored it are grouped; 0 turns that off.
+prefix and arrive before its first prefill has stored it are grouped; 0 turns that off. The
+same memory per replica steers a prefix to the replica it was sent to among the replicas of
+one node, whose own engine cache holds it.
+
+Load: with ``balance_on="prompt_tokens"`` (the default) a replica's load is the prompt tokens of
+the requests this router sent it that have not completed
+(:class:`~tessera_ray.serve.routing.OutstandingTokens`), and the holder of a prefix may carry
+``max_token_gap`` more than the least loaded replica; a request counts one prefill's worth of
+work as the seconds it holds a replica for, which a queue length does not. With
+``balance_on="requests"`` Serve's queue lengths are the load and ``max_queue_gap`` the bound.
+A request whose tokens are unknown is routed on queue lengths either way.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import TierConfigError
 from tessera_ray.metrics import Metrics, get_metrics
 from tessera_ray.serve.routing import (
+    BALANCE_ON,
+    OutstandingTokens,
     ReplicaState,
     RouteChoice,
     RoutedBlocks,
@@ -62,6 +74,13 @@ def _field(obj: Any, name: str) -> Any:
     if isinstance(obj, dict):
         return obj.get(name)
     return getattr(obj, name, None)
+
+
+def _request_id(pending: PendingRequest | None) -> str | None:
+    """Serve's id of the request, the key its completion is reported under."""
+    metadata = getattr(pending, "metadata", None)
+    request_id = getattr(metadata, "internal_request_id", None)
+    return request_id if isinstance(request_id, str) and request_id else None
 
 
 def request_prompt(args: Sequence[Any]) -> tuple[Any, str | None] | None:
@@ -93,6 +112,8 @@ class TesseraRequestRouter(RequestRouter):
         lookup_timeout_s: float = 0.05,
         max_queue_gap: int = 2,
         routed_memory_s: float = 30.0,
+        balance_on: str = "prompt_tokens",
+        max_token_gap: int = 16384,
         seed: int | None = None,
         client: TesseraClient | None = None,
         **_: Any,
@@ -101,12 +122,20 @@ class TesseraRequestRouter(RequestRouter):
         vLLM's served model name; its ``namespace``), or no key will match."""
         if not model_name:
             raise TierConfigError("TesseraRequestRouter: model_name is required")
-        if lookup_timeout_s <= 0 or max_queue_gap < 0 or routed_memory_s < 0:
+        if lookup_timeout_s <= 0 or max_queue_gap < 0 or routed_memory_s < 0 or max_token_gap < 0:
             raise TierConfigError(
-                "TesseraRequestRouter: lookup_timeout_s must be > 0, max_queue_gap >= 0 and "
-                f"routed_memory_s >= 0, got {lookup_timeout_s!r}, {max_queue_gap!r}, "
-                f"{routed_memory_s!r}"
+                "TesseraRequestRouter: lookup_timeout_s must be > 0, max_queue_gap, "
+                f"max_token_gap and routed_memory_s >= 0, got {lookup_timeout_s!r}, "
+                f"{max_queue_gap!r}, {max_token_gap!r}, {routed_memory_s!r}"
             )
+        if balance_on not in BALANCE_ON:
+            raise TierConfigError(
+                f"TesseraRequestRouter: balance_on must be one of {BALANCE_ON}, got {balance_on!r}"
+            )
+        self._by_tokens = balance_on == "prompt_tokens"
+        self._max_token_gap = max_token_gap
+        self._outstanding = OutstandingTokens()
+        self._routed_replicas = RoutedBlocks(routed_memory_s)
         self._model_name = model_name
         self._ray_namespace = ray_namespace
         self._namespace = namespace
@@ -154,9 +183,9 @@ class TesseraRequestRouter(RequestRouter):
 
     async def _keys(
         self, client: TesseraClient, pending: PendingRequest | None
-    ) -> tuple[str, list[TokenKey]] | None:
-        """The request's tier namespace and block keys (none for a prompt shorter than a
-        block); ``None`` when its tokens are unknown."""
+    ) -> tuple[str, list[TokenKey], int] | None:
+        """The request's tier namespace, block keys (none for a prompt shorter than a block)
+        and prompt length in tokens; ``None`` when its tokens are unknown."""
         found = request_prompt(pending.args) if pending is not None else None
         if found is None:
             return None
@@ -175,7 +204,7 @@ class TesseraRequestRouter(RequestRouter):
         keys = prompt_keys(
             layout.fingerprint, self._model_name, tokens, layout.block_tokens, salt, self._namespace
         )
-        return tenant_namespace(self._namespace, salt), keys
+        return tenant_namespace(self._namespace, salt), keys, len(tokens)
 
     def _queue_len(self, replica: RunningReplica) -> int:
         queue = self._replica_queue_len_cache.get(replica.replica_id)
@@ -218,16 +247,18 @@ class TesseraRequestRouter(RequestRouter):
             return []
         held: tuple[dict[str, int], dict[str, int]] | None = None
         keys: list[TokenKey] = []
+        tokens: int | None = None
         client = await self._tier()
         found = await self._keys(client, pending_request) if client is not None else None
         if client is not None and found is not None:
-            namespace, keys = found
+            namespace, keys, tokens = found
             held = await self._held_by_pool(client, namespace, keys)
+        by_tokens = self._by_tokens and tokens is not None
         states = [
             ReplicaState(
                 str(r.replica_id),
                 client.node_pool(r.node_id) if client is not None else None,
-                self._queue_len(r),
+                self._outstanding.of(str(r.replica_id)) if by_tokens else self._queue_len(r),
             )
             for r in candidate_replicas
         ]
@@ -235,17 +266,39 @@ class TesseraRequestRouter(RequestRouter):
         choice = choose_replica(
             states,
             held[0] if held is not None else (self._routed_only(keys) if keys else None),
-            max_queue_gap=self._max_queue_gap,
+            max_queue_gap=self._max_token_gap if by_tokens else self._max_queue_gap,
             rng=self._rng,
             stored_by_pool=held[1] if held is not None else None,
             answered=answered,
+            routed_by_replica=(
+                leading_blocks_by_pool([None] * len(keys), self._routed_replicas.pools(keys))
+                if keys
+                else None
+            ),
         )
         pool = next(s.pool for s in states if s.replica_id == choice.replica_id)
-        if keys and pool is not None:
-            self._routed.note(keys, pool)
+        if keys:
+            self._routed_replicas.note(keys, choice.replica_id)
+            if pool is not None:
+                self._routed.note(keys, pool)
+        request_id = _request_id(pending_request)
+        if tokens is not None and request_id is not None:
+            self._outstanding.add(request_id, choice.replica_id, tokens)
         self._record(choice)
         chosen = next(r for r in candidate_replicas if str(r.replica_id) == choice.replica_id)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: Any, result: Any
+    ) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        request_id = _request_id(pending_request)
+        if request_id is not None:
+            self._outstanding.moved(request_id, str(replica_id))
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self._outstanding.done(internal_request_id)
 
     def _record(self, choice: RouteChoice) -> None:
         self.last_choice = choice

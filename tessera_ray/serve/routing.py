@@ -13,8 +13,14 @@ The rule:
   candidates, so one hot prefix cannot pin every request on the replica that holds it: once its
   queue is deeper than the bound the next request goes elsewhere, loads the prefix there through
   the tier, and from then on both replicas hold it.
-- Among candidates, the longest run of leading blocks in the replica's own pool wins; ties go to
-  the shorter queue, then to a random pick (seeded by the caller).
+- Among candidates, the longest run of leading blocks in the replica's own pool wins; ties
+  (the replicas of one node share its pool) go to the replica the longest run was recently
+  routed to, whose own engine cache holds it or soon will, then to the shorter queue, then to a
+  random pick (seeded by the caller).
+- A queue is whatever the caller measures load in, ``max_queue_gap`` in the same unit: requests
+  waiting or running, or (better, :class:`OutstandingTokens`) the prompt tokens of the requests
+  routed to the replica and not finished, which weighs a 100K-token prompt as the seconds of
+  prefill it holds a replica for.
 - When the tier did not answer (down, or slower than the router's bound), the choice is a
   fallback: on the blocks the router itself recently routed (below) where they name a pool,
   else power-of-two (two random replicas, the shorter queue).
@@ -44,6 +50,8 @@ __all__ = [
     "RouteReason",
     "RouteChoice",
     "RoutedBlocks",
+    "OutstandingTokens",
+    "BALANCE_ON",
     "leading_blocks_by_pool",
     "choose_replica",
 ]
@@ -57,6 +65,7 @@ class ReplicaState:
     pool: str | None
     """The tier pool on the replica's node; ``None``: the node has no pool."""
     queue_len: int
+    """The replica's load, in the unit of ``max_queue_gap`` (requests, or outstanding tokens)."""
 
 
 class RouteReason(StrEnum):
@@ -132,6 +141,76 @@ class RoutedBlocks:
             del self._routed[key]
 
 
+BALANCE_ON = ("prompt_tokens", "requests")
+"""What a router measures a replica's load in: :class:`OutstandingTokens`, or queue lengths."""
+
+
+class OutstandingTokens:
+    """Per replica, the prompt tokens of the requests routed to it and not finished: the load a
+    router can count itself (it sees every request it routes and hears when each completes),
+    where a queue length counts a 100-token prompt and a 100K-token one alike.
+
+    A request that never reports completion (dropped before it was sent) is forgotten after
+    ``ttl_s``, so the ledger cannot grow without bound. Not thread-safe: one per router.
+    """
+
+    def __init__(self, ttl_s: float = 3600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"OutstandingTokens: ttl_s must be > 0, got {ttl_s}")
+        self._ttl_s = ttl_s
+        self._clock = clock
+        # request id -> (replica id, tokens, expiry); insertion order is expiry order.
+        self._requests: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        self._by_replica: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request_id: str, replica_id: str, tokens: int) -> None:
+        """``request_id`` with ``tokens`` prompt tokens was routed to ``replica_id``."""
+        if tokens < 0:
+            raise ValueError(f"OutstandingTokens: tokens must be >= 0, got {tokens}")
+        self.done(request_id)
+        self._requests[request_id] = (replica_id, tokens, self._clock() + self._ttl_s)
+        self._by_replica[replica_id] = self._by_replica.get(replica_id, 0) + tokens
+        self._expire()
+
+    def moved(self, request_id: str, replica_id: str) -> None:
+        """The request went to ``replica_id`` after all (Serve tries the next when the chosen
+        replica is full)."""
+        entry = self._requests.get(request_id)
+        if entry is not None and entry[0] != replica_id:
+            self._take(entry)
+            self._requests[request_id] = (replica_id, entry[1], entry[2])
+            self._by_replica[replica_id] = self._by_replica.get(replica_id, 0) + entry[1]
+
+    def done(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self._take(entry)
+
+    def of(self, replica_id: str) -> int:
+        self._expire()
+        return self._by_replica.get(replica_id, 0)
+
+    def _take(self, entry: tuple[str, int, float]) -> None:
+        replica, tokens, _ = entry
+        left = self._by_replica[replica] - tokens
+        if left:
+            self._by_replica[replica] = left
+        else:
+            del self._by_replica[replica]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._requests:
+            request_id, entry = next(iter(self._requests.items()))
+            if entry[2] > now:
+                break
+            del self._requests[request_id]
+            self._take(entry)
+
+
 def leading_blocks_by_pool(
     results: Sequence[LookupResult | None],
     routed: Sequence[frozenset[str]] = (),
@@ -166,13 +245,17 @@ def choose_replica(
     rng: random.Random,
     stored_by_pool: Mapping[str, int] | None = None,
     answered: bool = True,
+    routed_by_replica: Mapping[str, int] | None = None,
 ) -> RouteChoice:
     """The replica for one request (see the module docstring); ``held_by_pool`` is
     :func:`leading_blocks_by_pool` of the directory's answer (with the blocks routed recently),
     ``None`` when nothing is known; ``stored_by_pool`` the same without the routed blocks,
     to tell a ``ROUTED`` choice from a ``TIER`` one. ``answered`` False: the directory was
     silent and ``held_by_pool`` holds only the routed blocks; the choice is a ``FALLBACK``,
-    made on them where they name a pool, else by power-of-two choices."""
+    made on them where they name a pool, else by power-of-two choices.
+    ``routed_by_replica``: per replica id, the leading run recently routed to that replica
+    (:func:`leading_blocks_by_pool` over a :class:`RoutedBlocks` keyed by replica), which breaks
+    ties between replicas sharing a pool."""
     if not replicas:
         raise ValueError("no replica to route to")
     if max_queue_gap < 0:
@@ -187,9 +270,10 @@ def choose_replica(
     def held(r: ReplicaState) -> int:
         return held_by_pool.get(r.pool, 0) if r.pool is not None else 0
 
+    own = routed_by_replica or {}
     order = list(candidates)
     rng.shuffle(order)  # random among equals; max() keeps the first of equal keys
-    best = max(order, key=lambda r: (held(r), -r.queue_len))
+    best = max(order, key=lambda r: (held(r), own.get(r.replica_id, 0), -r.queue_len))
     blocks = held(best)
     if not answered:
         return RouteChoice(best.replica_id, 0, RouteReason.FALLBACK)

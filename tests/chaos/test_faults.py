@@ -16,8 +16,11 @@ import ray
 import torch
 
 from tessera_ray.actors.client import FetchResult, TesseraClient
-from tessera_ray.actors.messages import PoolStatus
+from tessera_ray.actors.messages import PoolStatus, StoredBlock
+from tessera_ray.actors.tenancy import Credential
+from tessera_ray.core.results import TokenKey
 from tessera_ray.demo.engine import Engine
+from tessera_ray.errors import PoolUnavailableError
 from tests.chaos.ledger import Ledger
 from tests.chaos.workload import Agents, flip_bytes, process_of, wait_alive
 
@@ -203,6 +206,20 @@ def test_disk_records_corrupted_while_serving(
     assert ok, (detected, ledger.wrong, agents.errors[:3])
 
 
+def _store_when_back(
+    client: TesseraClient, cred: Credential, keys: list[TokenKey], rows: np.ndarray, pool: str
+) -> list[StoredBlock]:
+    """Store into a pool killed a moment ago. A clean-clone run saw the restarted process
+    killed again half a second after it first answered (the GCS logs a second KillLocalActor
+    for the same ray.kill), so a store meeting a restart waits for the pool and retries."""
+    for _ in range(3):
+        try:
+            return client.store(cred, keys, rows, pool=pool)
+        except PoolUnavailableError:
+            assert wait_alive(client, pool)
+    return client.store(cred, keys, rows, pool=pool)
+
+
 def test_nixl_owner_killed_mid_read(
     chaos_tier: TesseraClient, engine: Engine, agents: Agents, ledger: Ledger
 ) -> None:
@@ -212,7 +229,7 @@ def test_nixl_owner_killed_mid_read(
         tokens, n = _fresh(engine, 100 + attempt, 7)
         keys = engine.keys(cred.namespace, tokens)
         rows = engine.payloads(engine.prefill(tokens), range(n))
-        stored = chaos_tier.store(cred, keys, rows, pool=owner)
+        stored = _store_when_back(chaos_tier, cred, keys, rows, owner)
         for s in stored:
             ledger.acknowledge(cred.namespace, s.token_key, rows[keys.index(s.token_key)])
         result: list[FetchResult] = []

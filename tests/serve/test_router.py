@@ -70,12 +70,16 @@ def _router(tier: _FakeTier, **kwargs: Any) -> TesseraRequestRouter:
     return router
 
 
-def _pending(body: Any) -> PendingRequest:
-    return SimpleNamespace(args=[body], kwargs={})  # type: ignore[return-value]
+def _pending(body: Any, request_id: str | None = None) -> PendingRequest:
+    metadata = SimpleNamespace(internal_request_id=request_id)
+    return SimpleNamespace(args=[body], kwargs={}, metadata=metadata)  # type: ignore[return-value]
 
 
-def _route(router: TesseraRequestRouter, replicas: list[_Replica], body: Any) -> _Replica:
-    ranked = asyncio.run(router.choose_replicas(replicas, _pending(body)))  # type: ignore[arg-type]
+def _route(
+    router: TesseraRequestRouter, replicas: list[_Replica], body: Any, request_id: str | None = None
+) -> _Replica:
+    pending = _pending(body, request_id)
+    ranked = asyncio.run(router.choose_replicas(replicas, pending))  # type: ignore[arg-type]
     assert sorted(r.replica_id for group in ranked for r in group) == sorted(
         r.replica_id for r in replicas
     )
@@ -140,12 +144,56 @@ def test_a_hot_prefix_spreads_once_its_replica_queue_is_deeper_than_the_bound() 
     for k in _keys(tokens):
         tier.held[k] = [tier.pools[0]]
     replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
-    router = _router(tier, max_queue_gap=2)
+    router = _router(tier, max_queue_gap=2, balance_on="requests")
     router._replica_queue_len_cache.update("r0", 2)
     assert _route(router, replicas, {"prompt": tokens}).replica_id == "r0"  # within the bound
     router._replica_queue_len_cache.update("r0", 3)
     assert _route(router, replicas, {"prompt": tokens}).replica_id == "r1"
     assert router.last_choice is not None and router.last_choice.reason is RouteReason.BALANCED
+
+
+def test_by_prompt_tokens_a_hot_prefix_spreads_once_its_holder_carries_more_than_the_gap() -> None:
+    """The default load is the prompt tokens of the requests a replica has not finished, as the
+    router counts them, not Serve's queue lengths: a deep queue of short prompts weighs less
+    than one long prompt."""
+    tier, tokens = _FakeTier(), list(range(300))
+    for k in _keys(tokens):
+        tier.held[k] = [tier.pools[0]]
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
+    router = _router(tier, max_token_gap=500)
+    router._replica_queue_len_cache.update("r0", 10)  # not what this mode weighs
+    assert _route(router, replicas, {"prompt": tokens}, "q1").replica_id == "r0"  # 300 after
+    assert _route(router, replicas, {"prompt": tokens}, "q2").replica_id == "r0"  # 300 <= 500
+    # r0 carries 600 > 0 + 500: the next goes to r1, which loads the prefix through the tier.
+    assert _route(router, replicas, {"prompt": tokens}, "q3").replica_id == "r1"
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.BALANCED
+    router.on_request_completed("r0", "q1")
+    router.on_request_completed("r0", "q2")
+    assert _route(router, replicas, {"prompt": tokens}, "q4").replica_id == "r0"
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.TIER
+    # Serve sent q4 to r1 after all (r0 was full): the load moves with it.
+    router.on_request_routed(_pending({}, "q4"), "r1", None)
+    assert router._outstanding.of("r1") == 600 and router._outstanding.of("r0") == 0
+    # A silent tier: power-of-two choices on the same load.
+    tier.down = True
+    assert _route(router, replicas, {"prompt": tokens}, "q5").replica_id == "r0"
+    assert router.last_choice is not None and router.last_choice.reason is RouteReason.FALLBACK
+
+
+def test_a_prefix_returns_to_the_replica_it_was_sent_to_among_its_nodes_replicas() -> None:
+    """Two replicas share node 0's pool, which holds the prefix: the first request picks one,
+    and the next ones follow it there (its own engine cache), not to its equally loaded
+    neighbour."""
+    tier, tokens = _FakeTier(), list(range(300))
+    for k in _keys(tokens):
+        tier.held[k] = [tier.pools[0]]
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[0]), _Replica("r2", NODES[1])]
+    router = _router(tier, max_token_gap=10_000)
+    first = _route(router, replicas, {"prompt": tokens}, "a").replica_id
+    assert first in ("r0", "r1")
+    for i in range(6):
+        router.on_request_completed(first, "a" if i == 0 else f"b{i - 1}")  # equal loads again
+        assert _route(router, replicas, {"prompt": tokens}, f"b{i}").replica_id == first
 
 
 def test_requests_sharing_a_prefix_that_is_not_yet_stored_are_grouped() -> None:
@@ -157,7 +205,7 @@ def test_requests_sharing_a_prefix_that_is_not_yet_stored_are_grouped() -> None:
     replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
     for memory_s, expect in ((30.0, RouteReason.ROUTED), (0.0, RouteReason.BALANCED)):
         tier = _FakeTier()
-        router = _router(tier, routed_memory_s=memory_s)
+        router = _router(tier, routed_memory_s=memory_s, balance_on="requests")
         first = _route(router, replicas, {"prompt": [*shared, 1000]})
         assert router.last_choice is not None and router.last_choice.reason is RouteReason.BALANCED
         router._replica_queue_len_cache.update(first.replica_id, 1)
@@ -175,7 +223,7 @@ def test_requests_sharing_a_prefix_that_is_not_yet_stored_are_grouped() -> None:
 def test_a_silent_tier_or_unknown_tokens_fall_back_to_power_of_two() -> None:
     tier, tokens = _FakeTier(), list(range(300))
     replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
-    router = _router(tier)
+    router = _router(tier, balance_on="requests")
     router._replica_queue_len_cache.update("r0", 5)
     tier.down = True
     assert _route(router, replicas, {"prompt": tokens}).replica_id == "r1"
@@ -220,6 +268,10 @@ def test_router_settings_are_checked() -> None:
         _router(_FakeTier(), max_queue_gap=-1)
     with pytest.raises(TierConfigError, match="routed_memory_s"):
         _router(_FakeTier(), routed_memory_s=-1.0)
+    with pytest.raises(TierConfigError, match="max_token_gap"):
+        _router(_FakeTier(), max_token_gap=-1)
+    with pytest.raises(TierConfigError, match="balance_on must be one of"):
+        _router(_FakeTier(), balance_on="bytes")
 
 
 def test_a_strict_lookup_tells_a_dead_shard_from_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ import pytest
 from tessera_ray.actors.directory import LookupResult, Replica, Tier
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.serve.routing import (
+    OutstandingTokens,
     ReplicaState,
     RoutedBlocks,
     RouteReason,
@@ -164,3 +165,44 @@ def test_a_silent_directory_still_follows_the_blocks_the_router_sent() -> None:
         for s in range(40)
     }
     assert picks == {"r1", "r2"}
+
+
+def test_replicas_sharing_a_pool_are_told_apart_by_where_the_run_was_routed() -> None:
+    """r0 and r1 share pool A, which holds the run; r1's own cache was sent the first 3 blocks,
+    so it wins over r0 although its queue is longer (within the bound) - and only a tie on
+    the pool's run is broken this way."""
+    states = [ReplicaState("r0", "A", 0), ReplicaState("r1", "A", 2), ReplicaState("r2", "B", 0)]
+    for seed in range(20):
+        rng = random.Random(seed)
+        got = choose_replica(
+            states, {"A": 4}, max_queue_gap=2, rng=rng, routed_by_replica={"r1": 3, "r0": 1}
+        )
+        assert got.replica_id == "r1" and got.local_blocks == 4
+        # Pool B's longer run beats a replica's own memory of a shorter one.
+        got = choose_replica(
+            states, {"A": 4, "B": 5}, max_queue_gap=2, rng=rng, routed_by_replica={"r1": 4}
+        )
+        assert got.replica_id == "r2"
+
+
+def test_outstanding_tokens_follow_requests_until_they_complete_or_expire() -> None:
+    now = [0.0]
+    ledger = OutstandingTokens(ttl_s=100.0, clock=lambda: now[0])
+    ledger.add("a", "r0", 300)
+    ledger.add("b", "r0", 200)
+    ledger.add("c", "r1", 50)
+    assert (ledger.of("r0"), ledger.of("r1"), ledger.of("r2")) == (500, 50, 0)
+    ledger.moved("b", "r2")  # Serve sent it to the next replica after all
+    assert (ledger.of("r0"), ledger.of("r2")) == (300, 200)
+    ledger.done("a")
+    ledger.done("a")  # a second report changes nothing
+    ledger.done("never-seen")
+    assert (ledger.of("r0"), len(ledger)) == (0, 2)
+    ledger.add("c", "r1", 70)  # the same id again replaces, not adds
+    assert ledger.of("r1") == 70
+    now[0] = 100.0  # never completed: forgotten after the ttl
+    assert (ledger.of("r1"), ledger.of("r2"), len(ledger)) == (0, 0, 0)
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        ledger.add("d", "r0", -1)
+    with pytest.raises(ValueError, match="ttl_s must be > 0"):
+        OutstandingTokens(ttl_s=0)
