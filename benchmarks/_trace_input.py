@@ -10,6 +10,7 @@ prefix exactly as far as their ``hash_ids`` agree.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, fields
@@ -46,18 +47,20 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    block_tokens: int = TRACE_BLOCK_TOKENS
+    """Prompt tokens per ``hash_ids`` entry."""
 
     @property
     def full_blocks(self) -> int:
         """Blocks an engine can cache: only full ones (vLLM hashes full blocks only)."""
-        return min(len(self.hash_ids), self.input_length // TRACE_BLOCK_TOKENS)
+        return min(len(self.hash_ids), self.input_length // self.block_tokens)
 
 
 def _nonneg_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _request(lineno: int, obj: Any, index: int) -> TraceRequest:
+def _request(lineno: int, obj: Any, index: int, block_tokens: int) -> TraceRequest:
     where = f"trace line {lineno}"
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -73,16 +76,19 @@ def _request(lineno: int, obj: Any, index: int) -> TraceRequest:
     ids = obj["hash_ids"]
     if not isinstance(ids, list) or not all(_nonneg_int(i) for i in ids):
         raise TraceError(f"{where}: hash_ids must be a list of ints >= 0")
-    expect = math.ceil(obj["input_length"] / TRACE_BLOCK_TOKENS)
+    expect = math.ceil(obj["input_length"] / block_tokens)
     if len(ids) != expect:
         raise TraceError(
             f"{where}: {len(ids)} hash_ids for input_length {obj['input_length']}, expected "
-            f"{expect} (one per {TRACE_BLOCK_TOKENS} tokens)"
+            f"{expect} (one per {block_tokens} tokens)"
         )
-    return TraceRequest(index, float(ts), obj["input_length"], obj["output_length"], tuple(ids))
+    n, out = obj["input_length"], obj["output_length"]
+    return TraceRequest(index, float(ts), n, out, tuple(ids), block_tokens)
 
 
-def parse_trace_lines(lines: list[str], *, source: str = "trace") -> list[TraceRequest]:
+def parse_trace_lines(
+    lines: list[str], *, source: str = "trace", block_tokens: int = TRACE_BLOCK_TOKENS
+) -> list[TraceRequest]:
     """Every non-blank line parsed and checked, then sorted by arrival (stable)."""
     out: list[TraceRequest] = []
     for lineno, line in enumerate(lines, start=1):
@@ -93,16 +99,13 @@ def parse_trace_lines(lines: list[str], *, source: str = "trace") -> list[TraceR
         except json.JSONDecodeError as e:
             raise TraceError(f"{source} line {lineno}: not valid JSON ({e.msg})") from None
         try:
-            out.append(_request(lineno, obj, len(out)))
+            out.append(_request(lineno, obj, len(out), block_tokens))
         except TraceError as e:
             raise TraceError(f"{source}: {e}") from None
     if not out:
         raise TraceError(f"{source}: no requests")
     out.sort(key=lambda r: r.arrival_ms)
-    return [
-        TraceRequest(i, r.arrival_ms, r.input_length, r.output_length, r.hash_ids)
-        for i, r in enumerate(out)
-    ]
+    return [dataclasses.replace(r, index=i) for i, r in enumerate(out)]
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
@@ -122,8 +125,8 @@ class ModelProfile:
     each figure comes from), which the simulator keeps but does not read."""
 
     name: str
-    model_preset: str
-    """tessera-ray layout preset whose bytes per token size blocks (``tessera-ray size``)."""
+    kv_bytes_per_token: int
+    """KV bytes per token of the model, as its engine pages them (``tessera-ray size``)."""
     prefill_s_per_token: float
     """Prefill cost per new token, the weights' share (linear in tokens)."""
     attention_s_per_pair: float
@@ -151,13 +154,14 @@ class ModelProfile:
 
 
 _INT_FIELDS = {
+    "kv_bytes_per_token",
     "max_running",
     "engine_cache_tokens",
     "replicas_per_node",
     "pool_bytes_per_node",
     "disk_bytes_per_node",
 }
-_POSITIVE = {"max_running", "engine_cache_tokens", "replicas_per_node"}
+_POSITIVE = {"kv_bytes_per_token", "max_running", "engine_cache_tokens", "replicas_per_node"}
 _POSITIVE |= {"same_node_gb_s", "cross_node_gb_s", "disk_gb_s", "prefill_s_per_token"}
 
 
@@ -176,7 +180,7 @@ def profile_from_dict(raw: dict[str, Any], *, source: str = "profile") -> ModelP
     values: dict[str, Any] = {}
     for name in names:
         v = raw[name]
-        if name in ("name", "model_preset"):
+        if name == "name":
             if not isinstance(v, str) or not v:
                 raise TraceError(f"{source}: {name} must be a non-empty string, got {v!r}")
         else:

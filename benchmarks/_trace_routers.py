@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from _trace_input import TRACE_BLOCK_TOKENS, TraceRequest
+from _trace_input import TraceRequest
 from _trace_sim import Fleet
 from _trace_sim import Replica as SimReplica
 
@@ -134,7 +134,7 @@ class OverlapMinusLoad:
             for i in alive:
                 overlap[i] = n
         blocks = fleet.blocks_of(req)
-        prompt = -(-req.input_length // TRACE_BLOCK_TOKENS)
+        prompt = -(-req.input_length // req.block_tokens)
         best, best_cost = [], float("inf")
         for rep in fleet.replicas:
             cost = self._w * (prompt - overlap.get(rep.index, 0)) + rep.active_blocks + blocks

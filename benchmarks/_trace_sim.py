@@ -24,7 +24,7 @@ import heapq
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,7 +34,6 @@ from _trace_tier import EngineCache, NodeTier, SimDirectory
 from tessera_ray.actors.directory import Tier
 from tessera_ray.core.hashing import token_key
 from tessera_ray.core.results import TokenKey
-from tessera_ray.layout import preset_layout
 
 __all__ = ["Router", "Replica", "Fleet", "RunStats", "request_keys", "bound_tokens"]
 
@@ -67,7 +66,7 @@ def bound_tokens(requests: Sequence[TraceRequest], keys: Sequence[Sequence[Token
         hit = 0
         while hit < len(ks) and ks[hit] in seen:
             hit += 1
-        computed += r.input_length - hit * TRACE_BLOCK_TOKENS
+        computed += r.input_length - hit * r.block_tokens
         seen.update(ks)
     return computed
 
@@ -132,12 +131,13 @@ class Fleet:
         *,
         tier: bool,
         num_shards: int = 4,
+        block_tokens: int = TRACE_BLOCK_TOKENS,
     ) -> None:
         self.profile = profile
         self.tier = tier
         self.now = 0.0
-        per_token = preset_layout(profile.model_preset).paged_bytes_per_token
-        self.block_bytes = int(per_token * TRACE_BLOCK_TOKENS)
+        self.block_tokens = block_tokens
+        self.block_bytes = profile.kv_bytes_per_token * block_tokens
         self.directory = SimDirectory(num_shards)
         self.holders: dict[TokenKey, set[int]] = {}
         per_node = profile.replicas_per_node
@@ -156,7 +156,7 @@ class Fleet:
                 i,
                 i // per_node,
                 f"pool-{i // per_node}",
-                EngineCache(profile.engine_cache_tokens, i, self.holders),
+                EngineCache(profile.engine_cache_tokens, i, self.holders, block_tokens),
             )
             for i in range(num_replicas)
         ]
@@ -175,17 +175,25 @@ class Fleet:
         keys: Sequence[Sequence[TokenKey]],
         router: Router,
         *,
-        time_scale: float,
-        on_choice: Callable[[str], None] | None = None,
+        time_scale: float = 1.0,
+        rounds: Sequence[Sequence[int]] | None = None,
+        concurrency: int = 1,
     ) -> RunStats:
         """Replay ``requests`` (arrival times multiplied by ``time_scale``) through
-        ``router``; returns what happened."""
+        ``router``; returns what happened. ``rounds``: a closed loop instead, as a client
+        sends them: the requests of each round (by index), ``concurrency`` at a time, each
+        next one when one is done, the next round when the whole round is."""
         self._reqs, self._keys, self._router = requests, keys, router
         self._private: dict[int, int] = {}  # started request -> its private KV tokens
         self._arrival_s: dict[int, float] = {}
         self.stats = RunStats(router.name, len(self.replicas))
-        for i, r in enumerate(requests):
-            self._at(r.arrival_ms / 1e3 * time_scale, _ARRIVE, i, -1)
+        self._rounds = deque(deque(r) for r in rounds) if rounds is not None else None
+        self._concurrency, self._in_flight = concurrency, 0
+        if self._rounds is None:
+            for i, r in enumerate(requests):
+                self._at(r.arrival_ms / 1e3 * time_scale, _ARRIVE, i, -1)
+        else:
+            self._send()
         while self._events:
             t, _, kind, i, rep = heapq.heappop(self._events)
             self.now = t
@@ -202,6 +210,16 @@ class Fleet:
         self.stats.spilled_blocks = sum(n.spilled_blocks for n in self.nodes)
         return self.stats
 
+    def _send(self) -> None:
+        """The closed loop's next requests, now."""
+        rounds = self._rounds
+        assert rounds is not None
+        while rounds and not rounds[0] and self._in_flight == 0:
+            rounds.popleft()
+        while rounds and rounds[0] and self._in_flight < self._concurrency:
+            self._at(self.now, _ARRIVE, rounds[0].popleft(), -1)
+            self._in_flight += 1
+
     def _arrive(self, i: int) -> None:
         req = self._reqs[i]
         rep = self.replicas[self._router.choose(self, req, self._keys[i])]
@@ -212,14 +230,14 @@ class Fleet:
 
     @staticmethod
     def blocks_of(req: TraceRequest) -> int:
-        return math.ceil((req.input_length + req.output_length) / TRACE_BLOCK_TOKENS)
+        return math.ceil((req.input_length + req.output_length) / req.block_tokens)
 
     def _try_start(self, rep: Replica) -> None:
         if rep.busy or not rep.waiting or rep.running >= self.profile.max_running:
             return
         i = rep.waiting[0]
         req, keys = self._reqs[i], self._keys[i]
-        private = req.input_length - len(keys) * TRACE_BLOCK_TOKENS + req.output_length
+        private = req.input_length - len(keys) * self.block_tokens + req.output_length
         hit = rep.cache.hit_run(keys)
         plan = self._tier_plan(rep, keys[hit:]) if self.tier else []
         if not rep.cache.admit(keys, private):
@@ -235,16 +253,16 @@ class Fleet:
         loaded = len(plan)
         load_s = self._load(rep, keys[hit : hit + loaded], plan)
         # As vLLM, the last prompt token is always computed (its logits give the first token).
-        cached = min((hit + loaded) * TRACE_BLOCK_TOKENS, req.input_length - 1)
+        cached = min((hit + loaded) * self.block_tokens, req.input_length - 1)
         new = req.input_length - cached
         s = self.stats
         s.prompt_tokens += req.input_length
         s.computed_tokens += new
-        local = min(hit * TRACE_BLOCK_TOKENS, cached)
+        local = min(hit * self.block_tokens, cached)
         s.local_tokens += local
         # The recomputed last token, when it was in a loaded block, is not a tier hit.
         s.tier_node_tokens -= (
-            (hit + loaded) * TRACE_BLOCK_TOKENS - cached - (hit * TRACE_BLOCK_TOKENS - local)
+            (hit + loaded) * self.block_tokens - cached - (hit * self.block_tokens - local)
         )
         prefill_s = self.profile.prefill_s(new, cached)
         rep.busy = True
@@ -279,9 +297,9 @@ class Fleet:
         p, s = self.profile, self.stats
         remote = sum(1 for w in plan if w == "remote")
         disk = sum(1 for w in plan if w == Tier.DISK)
-        s.tier_remote_tokens += remote * TRACE_BLOCK_TOKENS
-        s.disk_tokens += disk * TRACE_BLOCK_TOKENS
-        s.tier_node_tokens += (len(keys) - remote - disk) * TRACE_BLOCK_TOKENS
+        s.tier_remote_tokens += remote * self.block_tokens
+        s.disk_tokens += disk * self.block_tokens
+        s.tier_node_tokens += (len(keys) - remote - disk) * self.block_tokens
         node = self.nodes[rep.node]
         node.store([k for k, w in zip(keys, plan, strict=True) if w != "node"])
         node.touch(keys)
@@ -309,3 +327,6 @@ class Fleet:
         rep.running -= 1
         rep.active_blocks -= self.blocks_of(self._reqs[i])
         self._try_start(rep)
+        if self._rounds is not None:
+            self._in_flight -= 1
+            self._send()

@@ -3,7 +3,7 @@ pool and disk over the project's real directory shards and eviction order. Time 
 elsewhere (``_trace_sim.py``); here only residency changes, so what a hit finds is decided by
 the same code the tier runs.
 
-Units are trace blocks (``TRACE_BLOCK_TOKENS`` tokens, one token key each); an engine or a pool
+Units are trace blocks (``block_tokens`` tokens, one token key each); an engine or a pool
 of finer blocks would hold each trace block as several, all or none, which changes no hit.
 """
 
@@ -51,8 +51,10 @@ class EngineCache:
         capacity_tokens: int | None,
         replica: int = 0,
         holders: dict[TokenKey, set[int]] | None = None,
+        block_tokens: int = TRACE_BLOCK_TOKENS,
     ) -> None:
         self._cap = capacity_tokens
+        self._block = block_tokens
         self._replica = replica
         self._holders = holders
         self._pins: dict[TokenKey, int] = {}
@@ -62,7 +64,7 @@ class EngineCache:
 
     @property
     def used_tokens(self) -> int:
-        return len(self._pins) * TRACE_BLOCK_TOKENS + self._private
+        return len(self._pins) * self._block + self._private
 
     def hit_run(self, keys: Sequence[TokenKey]) -> int:
         """Leading blocks of ``keys`` ready in this cache."""
@@ -79,8 +81,8 @@ class EngineCache:
         new = [k for k in keys if k not in self._pins]
         if self._cap is not None:
             mine = sum(1 for k in keys if k in self._lru)
-            room = self._cap - self.used_tokens + (len(self._lru) - mine) * TRACE_BLOCK_TOKENS
-            if len(new) * TRACE_BLOCK_TOKENS + private_tokens > room:
+            room = self._cap - self.used_tokens + (len(self._lru) - mine) * self._block
+            if len(new) * self._block + private_tokens > room:
                 return False
         for k in keys:
             count = self._pins.get(k, 0)

@@ -35,7 +35,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from _trace_input import (  # noqa: E402
-    TRACE_BLOCK_TOKENS,
     ModelProfile,
     TraceError,
     TraceRequest,
@@ -226,7 +225,7 @@ def ttft_floor(
         hit = 0
         while hit < len(ks) and ks[hit] in seen:
             hit += 1
-        cached = min(hit * TRACE_BLOCK_TOKENS, r.input_length - 1)
+        cached = min(hit * r.block_tokens, r.input_length - 1)
         times.append(profile.prefill_s(r.input_length - cached, cached))
         seen.update(ks)
     times.sort()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tessera_ray.layout import preset_layout
 from tests.benchmarks.contract import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -38,7 +39,7 @@ def profile(**over: object) -> ModelProfile:
     1 ms per block from this node's pool and 1 ms more from another node's."""
     raw: dict[str, object] = {
         "name": "hand",
-        "model_preset": "deepseek-v2-lite",
+        "kv_bytes_per_token": 31_104,
         "prefill_s_per_token": 1e-3,
         "attention_s_per_pair": 0.0,
         "decode_s_per_token": 1e-2,
@@ -124,6 +125,22 @@ def test_a_replica_without_kv_room_waits_and_one_too_small_is_refused() -> None:
         run(reqs, tier=False, replicas=1, prof=profile(engine_cache_tokens=1000))
 
 
+def test_a_closed_loop_sends_each_round_at_most_n_at_a_time() -> None:
+    """Rounds [A, B, C] then [D], two at a time on one replica of 4 running requests: B waits
+    for A's prefill (one prefill engine), C is sent when A is done, D when all three are."""
+    reqs = trace(
+        (0, 1024, 0, [1, 2]),
+        (0, 512, 0, [3]),
+        (0, 512, 0, [4]),
+        (0, 1024, 0, [1, 2]),
+    )
+    fleet = Fleet(profile(), 1, tier=False)
+    s = fleet.run(reqs, request_keys(reqs), RoundRobin(), rounds=[[0, 1, 2], [3]], concurrency=2)
+    # A: 0 -> 1.024; B: waits, 1.024 -> 1.536; C sent at 1.024, waits for B, 1.536 -> 2.048;
+    # D sent at 2.048 (round 1), hits [1, 2] and computes its last token: 2.049.
+    assert s.ttft_s == pytest.approx([1.024, 1.536, 1.024, 0.001])
+
+
 def test_bound_counts_every_block_seen_before() -> None:
     assert bound_tokens(HAND, request_keys(HAND)) == 1024 + 512 + 512 + 76 + 512
 
@@ -189,6 +206,7 @@ def test_a_bad_trace_line_is_refused_with_its_number(line: str, why: str) -> Non
 def test_the_default_profile_loads_and_bad_profiles_are_refused(tmp_path: Path) -> None:
     p = load_profile(DEFAULT_PROFILE)
     assert p.replicas_per_node == 8 and p.prefill_s(1000, 0) > 0
+    assert p.kv_bytes_per_token == preset_layout("deepseek-v2-lite").paged_bytes_per_token
     with pytest.raises(TraceError, match=r"missing figure.*disk_gb_s"):
         raw = json.loads(DEFAULT_PROFILE.read_text())
         del raw["disk_gb_s"]
