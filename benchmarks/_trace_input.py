@@ -146,6 +146,8 @@ class ModelProfile:
     cross_node_gb_s: float
     """Another node's pool to this node's pool."""
     disk_gb_s: float
+    request_overhead_s: float
+    """Time a request spends outside the engine (HTTP, proxy, routing), added to its TTFT."""
 
     def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
         """Prefill of ``new_tokens`` after ``context_tokens`` already in the cache (causal)."""

@@ -210,14 +210,15 @@ class Fleet:
         self.stats.spilled_blocks = sum(n.spilled_blocks for n in self.nodes)
         return self.stats
 
-    def _send(self) -> None:
-        """The closed loop's next requests, now."""
+    def _send(self, after_s: float = 0.0) -> None:
+        """The closed loop's next requests, ``after_s`` from now (when the client has the
+        answer it waited for)."""
         rounds = self._rounds
         assert rounds is not None
         while rounds and not rounds[0] and self._in_flight == 0:
             rounds.popleft()
         while rounds and rounds[0] and self._in_flight < self._concurrency:
-            self._at(self.now, _ARRIVE, rounds[0].popleft(), -1)
+            self._at(self.now + after_s, _ARRIVE, rounds[0].popleft(), -1)
             self._in_flight += 1
 
     def _arrive(self, i: int) -> None:
@@ -309,7 +310,8 @@ class Fleet:
     def _prefilled(self, i: int, r: int) -> None:
         rep = self.replicas[r]
         keys = self._keys[i]
-        self.stats.ttft_s.append(self.now - self._arrival_s.pop(i))
+        overhead = self.profile.request_overhead_s
+        self.stats.ttft_s.append(self.now - self._arrival_s.pop(i) + overhead)
         rep.cache.ready(keys)
         if self.tier:
             self.nodes[rep.node].store(keys)
@@ -329,4 +331,4 @@ class Fleet:
         self._try_start(rep)
         if self._rounds is not None:
             self._in_flight -= 1
-            self._send()
+            self._send(self.profile.request_overhead_s)

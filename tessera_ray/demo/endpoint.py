@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tessera_ray.demo.workload import DemoConfig, Fleet, Request
 from tessera_ray.models.hf_tiny import TOKENIZER_WORDS
 from tessera_ray.vllm.scheduler import TIER_TOKENS_PARAM
@@ -33,6 +35,7 @@ __all__ = [
     "rounds_from_json",
     "plot_rounds",
     "prompt_text",
+    "time_cold_prompts",
     "quantile",
 ]
 
@@ -126,6 +129,31 @@ def run_fleet(
         for r in range(config.num_rounds):
             turns = [q for q in requests if q.round == r]
             out += pool.map(lambda q: _turn(client, model, q, salt), turns)
+    return out
+
+
+def time_cold_prompts(
+    client: Any, model: str, lengths: Sequence[int], *, vocab_size: int, repeats: int = 2
+) -> list[dict[str, Any]]:
+    """One at a time, prompts of ``lengths`` tokens that nothing has cached (a fresh
+    ``cache_salt`` each): what a prefill of that length costs end to end here, for a model of
+    the fleet (``bench_serve.py`` fits its profile to them)."""
+    import random
+
+    rng = random.Random(7)
+    out = []
+    for i in range(repeats):
+        for n in lengths:
+            tokens = [rng.randrange(vocab_size) for _ in range(n)]
+            request = Request(i, 0, 0, 0, 0, torch.tensor(tokens))
+            got = _turn(client, model, request, f"calibrate-{i}-{n}-{rng.random()}")
+            out.append(
+                {
+                    "prompt_tokens": got.prompt_tokens,
+                    "cached_tokens": got.cached_tokens,
+                    "first_token_s": got.first_token_s,
+                }
+            )
     return out
 
 

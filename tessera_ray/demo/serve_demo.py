@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera_ray._loopback import LOOPBACK_ENV, ray_on_loopback
-from tessera_ray.demo.endpoint import TurnResult, as_json, run_fleet
+from tessera_ray.demo.endpoint import TurnResult, as_json, run_fleet, time_cold_prompts
 from tessera_ray.demo.workload import DemoConfig
 
 __all__ = ["EngineDemoConfig", "run_engine_demo"]
@@ -44,6 +44,9 @@ class EngineDemoConfig:
     port: int = 8000
     start_timeout_s: float = 900.0
     router: str = "tessera"
+    calibrate: tuple[int, ...] = ()
+    """Prompt lengths to time cold, one at a time, before the fleet runs (the report's
+    ``calibration``)."""
     router_settings: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`~tessera_ray.serve.llm.ServeLLMSettings`' router fields
     (``balance_on``, ``max_token_gap``, ``max_queue_gap``, ``routed_memory_s``,
@@ -68,6 +71,7 @@ def _wait_ready(client: Any, model: str, timeout_s: float) -> None:
     raise TimeoutError(f"the Serve LLM app did not start within {timeout_s:.0f} s")
 
 
+_KVCACHE_GIB = 1  # each engine's KV cache: small, as the 24 GiB host is shared
 _NODE_RESOURCE = "tessera_demo_node"  # one per simulated node: one engine replica per node
 
 
@@ -196,7 +200,7 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
                 ray_namespace=ns,
                 router=config.router,
                 engine_kwargs={"dtype": "bfloat16", "max_model_len": 4096, "enforce_eager": True},
-                env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                env_vars={"VLLM_CPU_KVCACHE_SPACE": str(_KVCACHE_GIB)},
             )
             settings = dataclasses.replace(settings, **config.router_settings)
             client = openai.OpenAI(
@@ -212,6 +216,11 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
             # Ray's log setup (redone when Serve starts) leaves the root logger at INFO: the
             # client's line per request would bury the report.
             logging.getLogger("httpx").setLevel(logging.WARNING)
+            calibration = (
+                time_cold_prompts(client, name, config.calibrate, vocab_size=int(hf["vocab_size"]))
+                if config.calibrate
+                else None
+            )
             results: list[TurnResult] = run_fleet(
                 client, name, config.fleet, vocab_size=int(hf["vocab_size"])
             )
@@ -222,6 +231,12 @@ def run_engine_demo(config: EngineDemoConfig, work: Path | None = None) -> dict[
             report["router"] = config.router
             report["tier"] = json.loads(status_json(*tier.status()))
             report["replica_nodes"] = _replica_nodes()
+            report["kv_bytes_per_token"] = int(layout.paged_bytes_per_token)
+            report["block_bytes"] = layout.block_bytes
+            report["pool_blocks"] = config.num_blocks
+            report["engine_cache_bytes"] = _KVCACHE_GIB << 30
+            if calibration is not None:
+                report["calibration"] = calibration
             if config.router == "tessera":
                 report["router_choices"] = _router_choices(ns, len(results))
             return report

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tessera_ray.demo.workload import DemoConfig
 from tessera_ray.layout import preset_layout
 from tests.benchmarks.contract import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _serve_sim import SIM_ROUTERS, fit_profile, fleet_trace, predict
 from _trace_input import (
     TRACE_BLOCK_TOKENS,
     ModelProfile,
@@ -51,6 +53,7 @@ def profile(**over: object) -> ModelProfile:
         "same_node_gb_s": GBPS_1MS,
         "cross_node_gb_s": GBPS_1MS,
         "disk_gb_s": 1.0,
+        "request_overhead_s": 0.0,
     }
     raw.update(over)
     return profile_from_dict(raw)
@@ -276,3 +279,55 @@ def test_a_bad_trace_stops_the_benchmark_before_it_runs(tmp_path: Path) -> None:
     )
     assert got.returncode == 2 and "line 1: missing field(s)" in got.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+def test_bench_serves_workload_as_a_trace_shares_what_its_prompts_share() -> None:
+    config = DemoConfig(num_agents=6, num_rounds=2)
+    reqs, rounds = fleet_trace(config)
+    assert rounds == [list(range(6)), list(range(6, 12))]
+    a0, a3, a1 = reqs[0], reqs[3], reqs[1]  # agents 0 and 3 read document 0, agent 1 doc 1
+    shared = config.system_blocks + config.document_blocks
+    assert a0.hash_ids[:shared] == a3.hash_ids[:shared]
+    assert a0.hash_ids[shared] != a3.hash_ids[shared]  # own preambles
+    assert a0.hash_ids[: config.system_blocks] == a1.hash_ids[: config.system_blocks]
+    assert a0.hash_ids[config.system_blocks] != a1.hash_ids[config.system_blocks]
+    # Agent 0's second turn repeats every full block of its first; its tail is partial.
+    again = reqs[6]
+    assert again.hash_ids[: a0.full_blocks] == a0.hash_ids[: a0.full_blocks]
+    assert a0.input_length == (a0.full_blocks * 64) + config.tail_tokens
+
+
+def test_the_serve_profile_is_fitted_to_cold_prompts() -> None:
+    def cold(n: int, t: float) -> dict[str, float]:
+        return {"prompt_tokens": n, "cached_tokens": 0, "first_token_s": t}
+
+    truth = [cold(n, 0.2 + 1e-4 * n + 2e-8 * n * (n + 1) / 2) for n in (64, 512, 1024, 2048)]
+    warm = {"prompt_tokens": 4096, "cached_tokens": 4000, "first_token_s": 0.01}  # not cold
+    kw = {"kv_bytes_per_token": 1024, "engine_cache_tokens": 10**6, "pool_bytes_per_node": 1 << 30}
+    p = fit_profile([*truth, warm], transfer_gb_s=2.0, **kw)
+    assert p.request_overhead_s == pytest.approx(0.2)
+    assert p.prefill_s_per_token == pytest.approx(1e-4)
+    assert p.attention_s_per_pair == pytest.approx(2e-8)
+    # Times that fall with length beyond linear: the pair term is left out, not negative.
+    flat = [cold(n, 0.2 + 1e-4 * n - 1e-9 * n * n) for n in (64, 512, 1024, 2048)]
+    p = fit_profile(flat, transfer_gb_s=2.0, **kw)
+    assert p.attention_s_per_pair == 0.0 and p.prefill_s_per_token > 0
+    with pytest.raises(ValueError, match="3 or more cold prompts"):
+        fit_profile(truth[:2], transfer_gb_s=2.0, **kw)
+
+
+def test_the_simulator_replays_bench_serve_under_each_router() -> None:
+    config = DemoConfig(num_agents=6, num_rounds=2)
+    reqs, _ = fleet_trace(config)
+    kw = {"kv_bytes_per_token": 1024, "engine_cache_tokens": 10**6, "pool_bytes_per_node": 1 << 30}
+    cold = [
+        {"prompt_tokens": n, "cached_tokens": 0, "first_token_s": 0.3 + 1e-3 * n}
+        for n in (64, 512, 1024)
+    ]
+    profile = fit_profile(cold, transfer_gb_s=2.0, **kw)
+    floor = bound_tokens(reqs, request_keys(reqs))
+    for run in SIM_ROUTERS:
+        s = predict(config, profile, run)
+        assert len(s.ttft_s) == len(reqs) and s.prompt_tokens == sum(r.input_length for r in reqs)
+        assert floor <= s.computed_tokens < s.prompt_tokens
+        assert min(s.ttft_s) >= profile.request_overhead_s
