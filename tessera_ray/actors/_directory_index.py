@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from tessera_ray.actors._open_table import I64, U64, Rows, SlotIndex, mix64
+from tessera_ray.errors import DirectoryError
 
 __all__ = [
     "DirectoryIndex",
@@ -53,6 +54,8 @@ REPLICA_ROW = np.dtype(
 Packed (19 bytes): numpy reads the unaligned fields of a gathered record fine."""
 _ALL_FOUR = np.frombuffer(bytes([1, 1, 1, 1]), np.uint32)[0]
 """Four ``True`` bytes read as one uint32."""
+_MAX_ROWS = 2**31 - 1
+"""Rows per table: row numbers are int32 in the indexes and the chains."""
 _RECLAIM_MIN = 64
 """Fewest empty block rows worth a reclaim scan."""
 _LAST = np.int64(1) << 40
@@ -232,6 +235,11 @@ class DirectoryIndex:
         """Entry ``i``: key ``words[i]`` under namespace ``ns[i]`` names block ``(hi[i],
         lo[i])``, held by pool ``pools[i]`` in ``tiers[i]`` at ``slots[i]``. As if applied one
         by one, in order; returns how many replicas are new."""
+        tables = (self._keys, self._blocks, self._reps)
+        if max(t.live for t in tables) + len(ns) > _MAX_ROWS:
+            raise DirectoryError(
+                f"a shard table holds at most {_MAX_ROWS:,} rows; run the tier with more shards"
+            )
         blocks = self._block_rows(ns, hi, lo)
         self._add_keys(ns, words, blocks)
         return self._add_replicas(blocks, pools, tiers, slots, generations)

@@ -14,7 +14,6 @@ from itertools import repeat
 from typing import ClassVar, NamedTuple, overload
 
 import numpy as np
-from numpy.typing import NDArray
 
 from tessera_ray.actors._directory_index import Found
 from tessera_ray.core.results import BlockHash, TokenKey
@@ -101,16 +100,22 @@ _AnswerColumns = tuple[
     int,
     list[int],
     list[TokenKey],
-    NDArray[np.uint64],
-    NDArray[np.uint64],
-    NDArray[np.int64],
-    NDArray[np.uint16],
+    list[int],
+    list[int],
+    list[int],
+    list[int],
     tuple[str, ...],
-    NDArray[np.uint8],
-    NDArray[np.uint32],
-    NDArray[np.int64],
+    list[int],
+    list[int],
+    list[int],
 ]
-"""What a :class:`LookupAnswer` pickles as: the arguments of ``_lookup_answer``."""
+"""The arguments of ``_lookup_answer``: what a :class:`LookupAnswer` stands for."""
+
+_PACKED = ("<i8", "<u8", "<u8", "<i8", "<u2", "<u1", "<u4", "<i8")
+"""Dtypes of the numeric columns as a pickled answer carries them (positions, hash words,
+replica counts, pools, tiers, slots, generations), each as plain bytes: not numpy arrays, which
+Ray ships as out-of-band buffers of their own (costly for the few hits of a small lookup), and
+not lists of ints, which pickle an object per value."""
 
 
 class LookupAnswer(Sequence[LookupResult | None]):
@@ -149,14 +154,14 @@ class LookupAnswer(Sequence[LookupResult | None]):
             len(self._keys),
             positions,
             list(map(self._keys.__getitem__, positions)),
-            f.hi,
-            f.lo,
-            f.counts,
-            f.pools,
+            f.hi.tolist(),
+            f.lo.tolist(),
+            f.counts.tolist(),
+            f.pools.tolist(),
             self._pool_names,
-            f.tiers,
-            f.slots,
-            f.generations,
+            f.tiers.tolist(),
+            f.slots.tolist(),
+            f.generations.tolist(),
         )
 
     def __len__(self) -> int:
@@ -185,23 +190,39 @@ class LookupAnswer(Sequence[LookupResult | None]):
         return f"LookupAnswer({self._results()!r})"
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        return _lookup_answer, self._columns()
+        f = self._found
+        numeric = (f.positions, f.hi, f.lo, f.counts, f.pools, f.tiers, f.slots, f.generations)
+        packed = [
+            np.ascontiguousarray(a, d).tobytes() for a, d in zip(numeric, _PACKED, strict=True)
+        ]
+        keys = list(map(self._keys.__getitem__, f.positions.tolist()))
+        return _unpacked_answer, (len(self._keys), keys, self._pool_names, *packed)
+
+
+def _unpacked_answer(
+    n: int, keys: list[TokenKey], pools: tuple[str, ...], *packed: bytes
+) -> list[LookupResult | None]:
+    """The list a pickled :class:`LookupAnswer` stood for."""
+    positions, hi, lo, counts, rep_pools, tiers, slots, gens = (
+        np.frombuffer(b, d).tolist() for b, d in zip(packed, _PACKED, strict=True)
+    )
+    return _lookup_answer(n, positions, keys, hi, lo, counts, rep_pools, pools, tiers, slots, gens)
 
 
 def _lookup_answer(
     n: int,
     positions: list[int],
     keys: list[TokenKey],
-    hi: NDArray[np.uint64],
-    lo: NDArray[np.uint64],
-    counts: NDArray[np.int64],
-    rep_pools: NDArray[np.uint16],
+    hi: list[int],
+    lo: list[int],
+    counts: list[int],
+    rep_pools: list[int],
     pools: tuple[str, ...],
-    tiers: NDArray[np.uint8],
-    slots: NDArray[np.uint32],
-    gens: NDArray[np.int64],
+    tiers: list[int],
+    slots: list[int],
+    gens: list[int],
 ) -> list[LookupResult | None]:
-    """The results the columns of a :class:`LookupAnswer` stand for (what it unpickles as).
+    """The results the columns of a :class:`LookupAnswer` stand for.
 
     Built with ``map`` over C-level callables, with no Python code run per key: a named tuple's
     own constructor is a Python function, ``tuple.__new__`` on its class is not (it is what
@@ -210,21 +231,20 @@ def _lookup_answer(
         map(
             _new_replica,
             zip(
-                map(pools.__getitem__, rep_pools.tolist()),
-                map(_TIERS.__getitem__, tiers.tolist()),
-                slots.tolist(),
-                gens.tolist(),
+                map(pools.__getitem__, rep_pools),
+                map(_TIERS.__getitem__, tiers),
+                slots,
+                gens,
                 strict=True,
             ),
         )
     )
-    counts_list = counts.tolist()
-    if counts_list.count(1) == len(counts_list):
+    if counts.count(1) == len(counts):
         held: Iterable[tuple[Replica, ...]] = zip(reps)  # one replica each: 1-tuples
     else:
-        ends = list(itertools.accumulate(counts_list))
+        ends = list(itertools.accumulate(counts))
         held = map(tuple, map(reps.__getitem__, map(slice, [0, *ends[:-1]], ends)))
-    hashes = map(int.__or__, map(int.__lshift__, hi.tolist(), repeat(64)), lo.tolist())
+    hashes = map(int.__or__, map(int.__lshift__, hi, repeat(64)), lo)
     results = map(_new_result, zip(keys, hashes, held, strict=True))
     if len(positions) == n:
         return list(results)
