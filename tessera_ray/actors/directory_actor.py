@@ -16,7 +16,7 @@ from tessera_ray.actors._ray_handles import POOL_PREFIX, ActorCache, PoolRef
 from tessera_ray.actors.directory import (
     DirectoryShard,
     DirectoryStats,
-    LookupResult,
+    LookupAnswer,
     Registration,
     Tier,
 )
@@ -161,7 +161,8 @@ class DirectoryActor:
         self._start()
         return self.shard.register(entries)
 
-    async def lookup(self, access: Access, token_keys: list[TokenKey]) -> list[LookupResult | None]:
+    async def lookup(self, access: Access, token_keys: list[TokenKey]) -> LookupAnswer:
+        """The shard's columnar answer; it reaches the caller as a plain list."""
         self._start()
         return self.shard.lookup(access, token_keys)
 

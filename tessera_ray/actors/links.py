@@ -187,7 +187,7 @@ class LocalDirectory:
     async def lookup(
         self, access: Access, token_keys: Sequence[TokenKey]
     ) -> list[LookupResult | None]:
-        async def ask(shard: int, keys: list[TokenKey]) -> list[LookupResult | None]:
+        async def ask(shard: int, keys: list[TokenKey]) -> Sequence[LookupResult | None]:
             return self.shards[shard].lookup(access, keys)
 
         return await sharded_lookup(token_keys, len(self.shards), ask)

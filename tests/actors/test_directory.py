@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 
 from tessera_ray.actors.directory import (
     DirectoryShard,
+    LookupAnswer,
+    LookupResult,
     Registration,
     Replica,
     Tier,
     shard_of,
 )
+from tessera_ray.actors.tenancy import MAX_BATCH_KEYS
 from tessera_ray.core.results import BlockHash, TokenKey
-from tessera_ray.errors import DirectoryError
+from tessera_ray.errors import BadRequestError, DirectoryError
 
 
 def key(i: int) -> TokenKey:
@@ -133,3 +137,63 @@ def test_bad_input_changes_nothing() -> None:
     assert d.stats().token_keys == 0 and d.stats().replicas == 0
     with pytest.raises(DirectoryError, match="out of range"):
         DirectoryShard(2, 2)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (Registration("a", key(0), BlockHash(-1), Replica("p", Tier.MEMORY, 0, 0)), "block hash"),
+        (
+            Registration("a", key(0), BlockHash(2**128), Replica("p", Tier.MEMORY, 0, 0)),
+            "block hash",
+        ),
+        (Registration("a", key(0), BlockHash(1), Replica("p", Tier.MEMORY, 2**32, 0)), "below 2"),
+        (Registration("a", key(0), BlockHash(1), Replica("p", Tier.MEMORY, 0, 2**63)), "64 bits"),
+        (Registration("a", key(0), BlockHash(1), Replica("p", 2, 0, 0)), "tier"),  # type: ignore[arg-type]
+    ],
+)
+def test_values_the_tables_cannot_hold_are_refused_whole(bad: Registration, match: str) -> None:
+    """Block hashes are 128-bit, slots 32-bit, generations 64-bit, tiers one of ``Tier``:
+    anything else is refused, and nothing of its batch is applied."""
+    d = DirectoryShard()
+    with pytest.raises(DirectoryError, match=match):
+        d.register([reg("a", 1, 7), bad])
+    s = d.stats()
+    assert (s.token_keys, s.blocks, s.replicas, s.pools) == (0, 0, 0, 0)
+
+
+def test_the_widest_values_round_trip() -> None:
+    d = DirectoryShard()
+    widest = Replica("p", Tier.DISK, 2**32 - 1, -(2**63))
+    d.register([Registration("a", key(1), BlockHash(2**128 - 1), widest)])
+    (r,) = d.lookup("a", [key(1)])
+    assert r == LookupResult(key(1), BlockHash(2**128 - 1), (widest,))
+    assert type(r.block_hash) is int and type(r.replicas[0].tier) is Tier
+
+
+def test_numpy_ints_are_taken_as_ints() -> None:
+    d = DirectoryShard()
+    rep = Replica("p", Tier.MEMORY, np.int64(3), np.uint32(4))  # type: ignore[arg-type]
+    assert d.register([Registration("a", key(1), BlockHash(np.uint64(9)), rep)]) == 1  # type: ignore[arg-type]
+    (r,) = d.lookup("a", [key(1)])
+    assert r is not None and r.replicas == (Replica("p", Tier.MEMORY, 3, 4),)
+
+
+def test_a_rebuild_is_not_held_to_the_request_batch_limit() -> None:
+    """A pool's inventory can hold more blocks than one request may carry."""
+    d = DirectoryShard()
+    n = MAX_BATCH_KEYS + 10
+    inventory = [reg("a", i, i) for i in range(n)]
+    with pytest.raises(BadRequestError):
+        d.register(inventory)
+    assert d.rebuild_from(inventory) == n and d.stats().blocks == n
+
+
+def test_the_answer_is_a_sequence_equal_to_its_list() -> None:
+    d = DirectoryShard()
+    d.register([reg("a", 1, 7)])
+    answer = d.lookup("a", [key(1), key(2)])
+    assert isinstance(answer, LookupAnswer) and len(answer) == 2
+    assert answer == [answer[0], None] and [answer[0], None] == answer
+    assert answer[1:] == [None] and list(reversed(answer)) == [None, answer[0]]
+    assert answer != [None, None] and answer != (answer[0], None)

@@ -74,7 +74,8 @@ def test_lookup_answer_round_trips_hits_misses_and_every_replica(dumps: object) 
     assert type(back) is list and back == list(answer)
     assert [r is None for r in back] == [r is None for r in answer]
     assert b"LookupResult" not in data and b"Replica" not in data
-    assert pickle.loads(dumps(LookupAnswer([None, None]))) == [None, None]  # type: ignore[operator]
+    misses = d.lookup("nobody", [key(0), key(1)])
+    assert pickle.loads(dumps(misses)) == [None, None]  # type: ignore[operator]
 
 
 def ticket(blocks: tuple[PinnedBlock | None, ...]) -> PinTicket:
