@@ -53,7 +53,7 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # run name -> (router, router s
     "tessera_no_spread": ("tessera", {"max_queue_gap": 1 << 20, "max_token_gap": 1 << 40}),
 }
 OTHERS = ("power_of_two", "prefix_affinity")
-CALIBRATE = (64, 512, 1024, 2048)  # cold prompt lengths timed for the simulator's profile
+CALIBRATE = (64, 384, 768, 1536)  # cold prompt lengths (words) timed for the simulator's profile
 TRANSFER_GB_S = 2.0  # NIXL between two processes on this kind of VM (bench_transport's order)
 REASONS = ("tier", "routed", "balanced", "fallback")
 
@@ -85,7 +85,7 @@ def _measure(
 def simulator_rows(fleet: DemoConfig, got: dict[str, dict[str, Any]]) -> list[Row]:
     """The fleet simulator's prediction of each router's run from a profile fitted to cold
     prefills timed in the first run, beside what the engines did (``_serve_sim.py``)."""
-    from _serve_sim import SIM_ROUTERS, fit_profile, predict
+    from _serve_sim import SIM_ROUTERS, engine_tokens, fit_profile, predict
 
     first = got["power_of_two"]["report"]
     profile = fit_profile(
@@ -95,15 +95,18 @@ def simulator_rows(fleet: DemoConfig, got: dict[str, dict[str, Any]]) -> list[Ro
         pool_bytes_per_node=first["pool_blocks"] * first["block_bytes"],
         transfer_gb_s=TRANSFER_GB_S,
     )
+    per_word, extra = engine_tokens(first["calibration"])
     fitted = (
-        f"profile fitted to {len(first['calibration'])} cold prompts: "
+        f"profile fitted to {len(first['calibration'])} cold prompts "
+        f"({per_word} engine tokens a word, {extra} more a prompt): "
         f"{1e3 * profile.request_overhead_s:.0f} ms outside the engine, "
         f"{1e6 * profile.prefill_s_per_token:.0f} us per token, "
         f"{1e9 * profile.attention_s_per_pair:.1f} ns per token pair"
     )
     rows = []
     for run in SIM_ROUTERS:
-        sim, real = predict(fleet, profile, run), got[run]
+        sim = predict(fleet, profile, run, tokens_per_word=per_word, extra_tokens=extra)
+        real = got[run]
         pairs = (
             ("tokens_computed", float(sim.computed_tokens), float(real["tokens_computed"]), 0.9),
             ("ttft_p50_ms", 1e3 * sim.ttft(0.5), real["ttft_p50_ms"], 0.7),

@@ -135,9 +135,10 @@ def run_fleet(
 def time_cold_prompts(
     client: Any, model: str, lengths: Sequence[int], *, vocab_size: int, repeats: int = 2
 ) -> list[dict[str, Any]]:
-    """One at a time, prompts of ``lengths`` tokens that nothing has cached (a fresh
-    ``cache_salt`` each): what a prefill of that length costs end to end here, for a model of
-    the fleet (``bench_serve.py`` fits its profile to them)."""
+    """One at a time, prompts of ``lengths`` workload tokens (words of the prompt text) that
+    nothing has cached (a fresh ``cache_salt`` each): what a prefill of that length costs end to
+    end here, and how many engine tokens the text became (``bench_serve.py`` fits its profile
+    to them)."""
     import random
 
     rng = random.Random(7)
@@ -149,6 +150,7 @@ def time_cold_prompts(
             got = _turn(client, model, request, f"calibrate-{i}-{n}-{rng.random()}")
             out.append(
                 {
+                    "words": n,
                     "prompt_tokens": got.prompt_tokens,
                     "cached_tokens": got.cached_tokens,
                     "first_token_s": got.first_token_s,
