@@ -11,7 +11,7 @@ engine's cost alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,10 +19,11 @@ from _trace_input import ModelProfile, TraceRequest
 from _trace_routers import PowerOfTwo, RayPrefixAffinity, TesseraRouter
 from _trace_sim import Fleet, Router, RunStats, request_keys
 
+from tessera_ray.demo.endpoint import prompt_text
 from tessera_ray.demo.workload import DemoConfig
 from tessera_ray.demo.workload import Fleet as Workload
 
-__all__ = ["fleet_trace", "engine_tokens", "fit_profile", "predict", "SIM_ROUTERS"]
+__all__ = ["fleet_trace", "fit_profile", "predict", "SIM_ROUTERS"]
 
 BLOCK_TOKENS = 64  # the workload's blocks (the tier's), the unit the demo's prompts are built in
 
@@ -34,39 +35,29 @@ SIM_ROUTERS = {  # bench_serve's run name -> the simulator's router
 
 
 def fleet_trace(
-    config: DemoConfig, tokens_per_word: int = 1, extra_tokens: int = 0
+    config: DemoConfig, encode: Callable[[str], list[int]] | None = None
 ) -> tuple[list[TraceRequest], list[list[int]]]:
-    """The workload's turns as trace requests (one id per 64-word block, equal ids exactly
-    where the prefix up to and including the block is equal) and its rounds (request indices
-    a client sends round after round). A prompt is sent as text, one word per workload token;
-    the engine counts ``tokens_per_word`` tokens a word and ``extra_tokens`` more a prompt
-    (:func:`engine_tokens` measures both), so lengths and blocks are in engine tokens."""
+    """The workload's turns as trace requests and its rounds (request indices a client sends
+    round after round). A turn is sent as text (:func:`prompt_text`); ``encode``, the engine's
+    tokenizer, gives the tokens the engine and the tier see, which are cut into the tier's
+    64-token blocks (one id per block, equal ids exactly where the prefix up to and including
+    the block is equal). Without it, the workload's own tokens stand for them."""
     turns = Workload(config, vocab_size=1000, block_tokens=BLOCK_TOKENS, num_pools=1).requests()
     ids: dict[tuple[int, bytes], int] = {}
     requests = []
     for q in turns:
-        tokens = q.tokens.tolist()
+        words = q.tokens.tolist()
+        tokens = encode(prompt_text(words)) if encode is not None else words
         parent, hash_ids = -1, []
         for at in range(0, len(tokens), BLOCK_TOKENS):
             chunk = np.asarray(tokens[at : at + BLOCK_TOKENS], dtype=np.int64).tobytes()
             parent = ids.setdefault((parent, chunk), len(ids))
             hash_ids.append(parent)
-        n = len(tokens) * tokens_per_word + extra_tokens
-        block = BLOCK_TOKENS * tokens_per_word
-        requests.append(TraceRequest(q.index, 0.0, n, 0, tuple(hash_ids), block))
+        requests.append(TraceRequest(q.index, 0.0, len(tokens), 0, tuple(hash_ids), BLOCK_TOKENS))
     rounds = [
         [r.index for r in requests if turns[r.index].round == n] for n in range(config.num_rounds)
     ]
     return requests, rounds
-
-
-def engine_tokens(calibration: Sequence[dict[str, Any]]) -> tuple[int, int]:
-    """Engine tokens per word and per prompt, from what the engine counted in the calibration
-    prompts (``prompt_tokens`` against ``words``)."""
-    words = np.array([c["words"] for c in calibration], dtype=np.float64)
-    tokens = np.array([c["prompt_tokens"] for c in calibration], dtype=np.float64)
-    slope, intercept = np.polyfit(words, tokens, 1)
-    return max(1, round(float(slope))), max(0, round(float(intercept)))
 
 
 def fit_profile(
@@ -120,12 +111,11 @@ def predict(
     replicas: int = 2,
     concurrency: int = 4,
     seed: int = 0,
-    tokens_per_word: int = 1,
-    extra_tokens: int = 0,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> RunStats:
     """The simulator's run of bench_serve's ``run``: every router over the tier, as there."""
-    requests, rounds = fleet_trace(config, tokens_per_word, extra_tokens)
+    requests, rounds = fleet_trace(config, encode)
     router: Router = SIM_ROUTERS[run](seed, replicas)
-    fleet = Fleet(profile, replicas, tier=True, block_tokens=BLOCK_TOKENS * tokens_per_word)
+    fleet = Fleet(profile, replicas, tier=True, block_tokens=BLOCK_TOKENS)
     keys = request_keys(requests)
     return fleet.run(requests, keys, router, rounds=rounds, concurrency=concurrency)

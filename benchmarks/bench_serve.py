@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {  # run name -> (router, router s
     "tessera_no_spread": ("tessera", {"max_queue_gap": 1 << 20, "max_token_gap": 1 << 40}),
 }
 OTHERS = ("power_of_two", "prefix_affinity")
-CALIBRATE = (64, 384, 768, 1536)  # cold prompt lengths (words) timed for the simulator's profile
+CALIBRATE = (64, 256, 512, 1024)  # cold prompt lengths (words) timed for the simulator's profile
 TRANSFER_GB_S = 2.0  # NIXL between two processes on this kind of VM (bench_transport's order)
 REASONS = ("tier", "routed", "balanced", "fallback")
 
@@ -85,7 +86,10 @@ def _measure(
 def simulator_rows(fleet: DemoConfig, got: dict[str, dict[str, Any]]) -> list[Row]:
     """The fleet simulator's prediction of each router's run from a profile fitted to cold
     prefills timed in the first run, beside what the engines did (``_serve_sim.py``)."""
-    from _serve_sim import SIM_ROUTERS, engine_tokens, fit_profile, predict
+    from _serve_sim import SIM_ROUTERS, fit_profile, predict
+    from transformers import AutoTokenizer
+
+    from tessera_ray.models.hf_tiny import write_tokenizer
 
     first = got["power_of_two"]["report"]
     profile = fit_profile(
@@ -95,17 +99,21 @@ def simulator_rows(fleet: DemoConfig, got: dict[str, dict[str, Any]]) -> list[Ro
         pool_bytes_per_node=first["pool_blocks"] * first["block_bytes"],
         transfer_gb_s=TRANSFER_GB_S,
     )
-    per_word, extra = engine_tokens(first["calibration"])
+    with tempfile.TemporaryDirectory() as tmp:  # the deployed model's tokenizer, rebuilt
+        tokenizer = AutoTokenizer.from_pretrained(write_tokenizer(Path(tmp)))
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text)["input_ids"])
+
     fitted = (
-        f"profile fitted to {len(first['calibration'])} cold prompts "
-        f"({per_word} engine tokens a word, {extra} more a prompt): "
+        f"profile fitted to {len(first['calibration'])} cold prompts: "
         f"{1e3 * profile.request_overhead_s:.0f} ms outside the engine, "
         f"{1e6 * profile.prefill_s_per_token:.0f} us per token, "
         f"{1e9 * profile.attention_s_per_pair:.1f} ns per token pair"
     )
     rows = []
     for run in SIM_ROUTERS:
-        sim = predict(fleet, profile, run, tokens_per_word=per_word, extra_tokens=extra)
+        sim = predict(fleet, profile, run, encode=encode)
         real = got[run]
         pairs = (
             ("tokens_computed", float(sim.computed_tokens), float(real["tokens_computed"]), 0.9),

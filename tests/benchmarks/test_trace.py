@@ -16,7 +16,7 @@ from tessera_ray.layout import preset_layout
 from tests.benchmarks.contract import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _serve_sim import SIM_ROUTERS, engine_tokens, fit_profile, fleet_trace, predict
+from _serve_sim import SIM_ROUTERS, fit_profile, fleet_trace, predict
 from _trace_input import (
     TRACE_BLOCK_TOKENS,
     ModelProfile,
@@ -295,12 +295,16 @@ def test_bench_serves_workload_as_a_trace_shares_what_its_prompts_share() -> Non
     again = reqs[6]
     assert again.hash_ids[: a0.full_blocks] == a0.hash_ids[: a0.full_blocks]
     assert a0.input_length == (a0.full_blocks * 64) + config.tail_tokens
-    # In engine tokens: two a word and one more a prompt, blocks of 128.
-    doubled, _ = fleet_trace(config, 2, 1)
-    assert doubled[0].input_length == 2 * a0.input_length + 1
-    assert doubled[0].block_tokens == 128 and doubled[0].full_blocks == a0.full_blocks
-    got = [{"words": n, "prompt_tokens": 2 * n + 1} for n in (64, 384, 1536)]
-    assert engine_tokens(got) == (2, 1)
+
+    # Through a tokenizer (here: two tokens a word): the blocks are the engine's tokens'.
+    def encode(text: str) -> list[int]:
+        return [t for w in text.split() for t in (int(w[1:]), 999)]
+
+    doubled, _ = fleet_trace(config, encode)
+    assert doubled[0].input_length == 2 * a0.input_length
+    assert doubled[0].full_blocks == 2 * a0.full_blocks
+    assert doubled[0].hash_ids[:4] == doubled[3].hash_ids[:4]  # 2 system blocks: 4 of 64 tokens
+    assert doubled[0].hash_ids[2 * shared] != doubled[3].hash_ids[2 * shared]
 
 
 def test_the_serve_profile_is_fitted_to_cold_prompts() -> None:
