@@ -119,19 +119,6 @@ def simulator_rows(fleet: DemoConfig, got: dict[str, dict[str, Any]]) -> list[Ro
             ("tokens_computed", float(sim.computed_tokens), float(real["tokens_computed"]), 0.9),
             ("ttft_p50_ms", 1e3 * sim.ttft(0.5), real["ttft_p50_ms"], 0.7),
         )
-        why = {
-            "tokens_computed": (
-                f"the simulated engines' own caches supplied {sim.local_tokens:,} of "
-                f"{sim.prompt_tokens:,} prompt tokens and the tier "
-                f"{sim.tier_node_tokens + sim.tier_remote_tokens:,}; the engines' responses "
-                "say more was computed (docs/fleet-simulation.md)"
-            ),
-            "ttft_p50_ms": (
-                "the simulator gives each replica a core of its own and the profile was timed "
-                "one request at a time; here two engines, Serve's proxy, the router and the "
-                "client share 2 cores"
-            ),
-        }
         for name, predicted, measured, target in pairs:
             # Smaller over larger: 1 is exact, the target is the issue's tolerance.
             low, high = sorted((predicted, measured))
@@ -145,7 +132,10 @@ def simulator_rows(fleet: DemoConfig, got: dict[str, dict[str, Any]]) -> list[Ro
                     target_ratio=target,
                     note=f"predicted {predicted:,.0f}, measured {measured:,.0f}; {fitted}",
                     derived_from="the simulator's replay and this run's row",
-                    miss_reason=why[name],
+                    miss_reason=(
+                        "the simulator gives each replica a core of its own; here two engines, "
+                        "Serve's proxy, the router and the client share 2 cores"
+                    ),
                 )
             )
     return rows
