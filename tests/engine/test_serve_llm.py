@@ -111,7 +111,11 @@ def client(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "--ray-namespace", NAMESPACE,
     )  # fmt: skip
     config = yaml.safe_load((ROOT / "deploy" / "serve_llm_cpu.yaml").read_text())
-    config["applications"][0]["args"].update(model_source=str(model), ray_namespace=NAMESPACE)
+    # The router's memory off: both replicas share this node's pool, so a repeat's choice
+    # between them is then a coin flip, and both kinds of hit (own cache, tier) occur below.
+    config["applications"][0]["args"].update(
+        model_source=str(model), ray_namespace=NAMESPACE, routed_memory_s=0.0
+    )
     path = work / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     run("serve", "deploy", str(path))
