@@ -124,15 +124,10 @@ class OverlapMinusLoad:
         self._w = overlap_weight
 
     def choose(self, fleet: Fleet, req: TraceRequest, keys: Sequence[TokenKey]) -> int:
-        overlap: dict[int, int] = {}
-        alive: set[int] | None = None
-        for n, k in enumerate(keys, start=1):
-            here = fleet.holders.get(k, set())
-            alive = set(here) if alive is None else alive & here
-            if not alive:
-                break
-            for i in alive:
-                overlap[i] = n
+        # Each worker's leading run of cached blocks, by the rule the tier's router uses.
+        held = [frozenset(str(i) for i in fleet.holders.get(k, ())) for k in keys]
+        runs = leading_blocks_by_pool([None] * len(keys), held)
+        overlap = {int(i): n for i, n in runs.items()}
         blocks = fleet.blocks_of(req)
         prompt = -(-req.input_length // req.block_tokens)
         best, best_cost = [], float("inf")

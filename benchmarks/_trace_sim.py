@@ -35,7 +35,16 @@ from tessera_ray.actors.directory import Tier
 from tessera_ray.core.hashing import token_key
 from tessera_ray.core.results import TokenKey
 
-__all__ = ["Router", "Replica", "Fleet", "RunStats", "request_keys", "bound_tokens"]
+__all__ = [
+    "Router",
+    "Replica",
+    "Fleet",
+    "RunStats",
+    "request_keys",
+    "bound_hits",
+    "bound_tokens",
+    "quantile",
+]
 
 _ARRIVE, _PREFILLED, _DONE = 0, 1, 2
 
@@ -57,18 +66,30 @@ def request_keys(requests: Sequence[TraceRequest]) -> list[list[TokenKey]]:
     return out
 
 
-def bound_tokens(requests: Sequence[TraceRequest], keys: Sequence[Sequence[TokenKey]]) -> int:
-    """Prompt tokens computed with an unbounded cache shared by all, filled on arrival: the
-    leading full blocks seen in any earlier request are not computed."""
+def bound_hits(requests: Sequence[TraceRequest], keys: Sequence[Sequence[TokenKey]]) -> list[int]:
+    """Per request, its leading full blocks seen in any earlier request: its hits with an
+    unbounded cache shared by all, filled on arrival (the bound no router can beat)."""
     seen: set[TokenKey] = set()
-    computed = 0
-    for r, ks in zip(requests, keys, strict=True):
+    hits = []
+    for ks in keys:
         hit = 0
         while hit < len(ks) and ks[hit] in seen:
             hit += 1
-        computed += r.input_length - hit * r.block_tokens
+        hits.append(hit)
         seen.update(ks)
-    return computed
+    return hits
+
+
+def bound_tokens(requests: Sequence[TraceRequest], keys: Sequence[Sequence[TokenKey]]) -> int:
+    """Prompt tokens computed with the unbounded cache of :func:`bound_hits`."""
+    hits = bound_hits(requests, keys)
+    return sum(r.input_length - h * r.block_tokens for r, h in zip(requests, hits, strict=True))
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values``: the smallest value at least ``q`` of them reach."""
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 @dataclass
@@ -111,8 +132,7 @@ class RunStats:
     choices: dict[str, int] = field(default_factory=dict)
 
     def ttft(self, q: float) -> float:
-        xs = sorted(self.ttft_s)
-        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+        return quantile(self.ttft_s, q)
 
     @property
     def load_spread(self) -> float:

@@ -25,7 +25,6 @@ TTFT p90 (p50 and p99 in the note); then the issue's targets at 64 and 512 repli
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,15 @@ from _trace_routers import (  # noqa: E402
     RoundRobin,
     TesseraRouter,
 )
-from _trace_sim import Fleet, Router, RunStats, bound_tokens, request_keys  # noqa: E402
+from _trace_sim import (  # noqa: E402
+    Fleet,
+    Router,
+    RunStats,
+    bound_hits,
+    bound_tokens,
+    quantile,
+    request_keys,
+)
 from common import RESULTS_DIR, BenchArgs, Row, write_result  # noqa: E402
 
 DEFAULT_TRACE = HERE.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -219,17 +226,11 @@ def ttft_floor(
 ) -> float:
     """The ``q`` quantile of TTFT if every request started its prefill on arrival with the
     unbounded cache's hits (no queue, no load time): no router does better."""
-    seen: set[Any] = set()
     times = []
-    for r, ks in zip(requests, keys, strict=True):
-        hit = 0
-        while hit < len(ks) and ks[hit] in seen:
-            hit += 1
+    for r, hit in zip(requests, bound_hits(requests, keys), strict=True):
         cached = min(hit * r.block_tokens, r.input_length - 1)
         times.append(profile.prefill_s(r.input_length - cached, cached))
-        seen.update(ks)
-    times.sort()
-    return times[min(len(times) - 1, max(0, math.ceil(q * len(times)) - 1))]
+    return quantile(times, q)
 
 
 def plot(results: dict[int, dict[str, RunStats]], bound_share: float, out: Path) -> None:
