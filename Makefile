@@ -109,14 +109,21 @@ test-vllm: $(VLLM_STAMP)
 # torchvision / torchaudio / torchcodec builds that do not load against it and that vLLM imports
 # when present, so they are removed. The stand-in tests of tests/vllm run here too, on the CPU
 # build's block size. pyarrow: Ray Serve LLM imports it (tests/engine/test_serve_llm.py).
+#
+# tessera_v4_cpu (tests/engine/v4_plugin): a vLLM plugin, test support only, that lets DeepSeek-V4
+# run on this CPU build (torch stand-ins for its Triton metadata kernels and, on CPUs without
+# AVX512-BF16, for its C++ kernels). Installed editable from this checkout with the venv's own
+# setuptools (no download); it changes nothing unless vLLM builds a DeepSeek-V4 model.
+V4_PLUGIN := tests/engine/v4_plugin
 .PHONY: test-engine
 
-$(ENGINE_STAMP): pyproject.toml
+$(ENGINE_STAMP): pyproject.toml $(V4_PLUGIN)/pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vLLM needs Python >= 3.11, found " + sys.version.split()[0]'
 	test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(ENGINE_VENV)/bin/python -m pip install --quiet "$(ENGINE_SPEC)" "$(TORCH_SPEC)" -e . "pytest>=8" pyarrow
 	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(ENGINE_VENV)/bin/python -m pip install --quiet --no-build-isolation --no-deps -e $(V4_PLUGIN)
 	touch $(ENGINE_STAMP)
 
 test-engine: $(ENGINE_STAMP)

@@ -19,13 +19,24 @@ from tessera_ray._cli_status import add_status_command
 from tessera_ray._cli_tier import add_tier_commands
 from tessera_ray.errors import TesseraError
 from tessera_ray.layout import (
+    ENGINE_FORMATS,
+    EnginePages,
+    Family,
     ModelLayout,
     account,
     build_layout,
+    engine_pages,
+    format_info,
     parse_contexts,
     preset_layout,
 )
-from tessera_ray.layout.report import layout_json, render_layout, render_presets, usage_json
+from tessera_ray.layout.report import (
+    engine_json,
+    layout_json,
+    render_layout,
+    render_presets,
+    usage_json,
+)
 
 __all__ = ["main", "UsageError"]
 
@@ -63,6 +74,14 @@ def _layouts(ns: argparse.Namespace) -> list[ModelLayout]:
     return [preset_layout(n, format=ns.format, block_tokens=ns.block_tokens) for n in names]
 
 
+def _engine(layout: ModelLayout) -> EnginePages | None:
+    """vLLM's caches for a DeepSeek-V4 layout in its engine format (other families: one page per
+    layer, already the layout's own figures, so not repeated)."""
+    if format_info(layout.format_name).family is not Family.V4:
+        return None
+    return engine_pages(layout) if layout.format_name in ENGINE_FORMATS else None
+
+
 def _cmd_size(ns: argparse.Namespace) -> int:
     if ns.list:
         print(render_presets())
@@ -71,7 +90,9 @@ def _cmd_size(ns: argparse.Namespace) -> int:
         raise UsageError(f"--block-tokens must be a positive integer, got {ns.block_tokens}")
     contexts = parse_contexts(ns.context)
     layouts = _layouts(ns)
-    results = [(layout, [account(layout, c) for c in contexts]) for layout in layouts]
+    results = [
+        (layout, [account(layout, c) for c in contexts], _engine(layout)) for layout in layouts
+    ]
     if ns.plot is not None:
         from tessera_ray._plot import plot_sizes
 
@@ -79,13 +100,17 @@ def _cmd_size(ns: argparse.Namespace) -> int:
     if ns.json:
         doc = {
             "models": [
-                {**layout_json(layout), "contexts": [usage_json(u) for u in usages]}
-                for layout, usages in results
+                {
+                    **layout_json(layout),
+                    **({"engine": engine_json(engine)} if engine is not None else {}),
+                    "contexts": [usage_json(u) for u in usages],
+                }
+                for layout, usages, engine in results
             ]
         }
         print(json.dumps(doc, indent=2))
     else:
-        print("\n\n".join(render_layout(layout, usages) for layout, usages in results))
+        print("\n\n".join(render_layout(*result) for result in results))
         if ns.plot is not None:
             print(f"\nplot written to {ns.plot}")
     return 0

@@ -33,7 +33,6 @@ __all__ = [
     "PageDTypeError",
     "PageShapeError",
     "PageNotFreeableError",
-    "ArenaError",
     "StorageError",
     "StorageConfigError",
     "InvalidKeyError",
@@ -74,7 +73,7 @@ class PoolError(TesseraError):
 
 
 class PoolConfigError(PoolError, ValueError):
-    """A pool or arena configuration is out of range; the message names the field."""
+    """A pool configuration is out of range; the message names the field."""
 
 
 class PoolMemoryError(PoolError, MemoryError):
@@ -124,10 +123,6 @@ class PageShapeError(PoolError, ValueError):
 
 class PageNotFreeableError(PoolError, ValueError):
     """A release of a page that holds no reference (already free, or unreferenced in the LRU)."""
-
-
-class ArenaError(PoolError, ValueError):
-    """A request arena was misused: unknown or duplicate request, oversized ring, or full arena."""
 
 
 class StorageError(TesseraError, OSError):

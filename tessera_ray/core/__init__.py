@@ -1,9 +1,8 @@
-"""The single-process engine: a block pool per layer group, and per-request arenas.
+"""The single-process engine: a block pool per layer group.
 
 No Ray here (a test pins it): actors wrap these classes.
 """
 
-from tessera_ray.core.arena import RequestArena, RingBuffer
 from tessera_ray.core.config import PoolConfig, available_memory_bytes
 from tessera_ray.core.hashing import ContentHashFn, block_hash, content_seed, token_key, xxh3_128
 from tessera_ray.core.pool import BlockPool
@@ -22,8 +21,6 @@ from tessera_ray.core.results import (
 __all__ = [
     "BlockPool",
     "PoolConfig",
-    "RequestArena",
-    "RingBuffer",
     "available_memory_bytes",
     "PageHandle",
     "PageIndex",

@@ -6,6 +6,7 @@ this). Everything else in tessera-ray sizes its memory from here.
 
 from tessera_ray.layout.accounting import ContextUsage, SpecUsage, account
 from tessera_ray.layout.dtypes import DType
+from tessera_ray.layout.engine_pages import ENGINE_FORMATS, EngineCache, EnginePages, engine_pages
 from tessera_ray.layout.formats import FORMATS, Family, FormatInfo, format_info
 from tessera_ray.layout.hf import HF_ARCHITECTURES, config_from_hf
 from tessera_ray.layout.models import (
@@ -56,6 +57,10 @@ __all__ = [
     "config_from_dict",
     "config_from_hf",
     "HF_ARCHITECTURES",
+    "EngineCache",
+    "EnginePages",
+    "ENGINE_FORMATS",
+    "engine_pages",
     "ContextUsage",
     "SpecUsage",
     "account",

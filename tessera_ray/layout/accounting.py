@@ -4,7 +4,7 @@ Three figures per context, all exact integers:
 
 - **payload**: the bytes the format holds for the tokens so far. A compressed spec holds one
   entry per *complete* group of ``stride_tokens``; the tokens of an unfinished group are not
-  payload yet (engines keep them uncompressed in the request arena until the group closes),
+  payload yet (engines keep them uncompressed, as compressor state, until the group closes),
   and are reported as ``pending_tokens``. A sliding window holds at most ``window_tokens``.
 - **stored**: what memory really holds: whole pages for paged specs (the last page is partly
   empty), the full ring for sliding windows.

@@ -25,12 +25,15 @@ __all__ = [
     "full_kv_entry",
     "mla_entry",
     "v4_entries",
+    "v4_state_entries",
+    "V4_STATE_GROUPS",
     "FP8_SCALE_TILE",
     "UE8M0_SCALE_TILE",
 ]
 
 FP8_SCALE_TILE = 128
-"""fp8_ds_mla keeps one fp32 scale per 128 latent values (vLLM / FlashMLA: 512 -> 4 scales)."""
+"""fp8_ds_mla keeps one fp32 scale per 128 latent values (vLLM / FlashMLA: 512 -> 4 scales); so
+does V4's indexer cache (128 key values -> one scale)."""
 
 UE8M0_SCALE_TILE = 64
 """V4 MODEL1 keeps one UE8M0 (power-of-two) scale per 64 fp8 values (448 -> 7 scales)."""
@@ -81,7 +84,7 @@ FORMATS: dict[str, FormatInfo] = {
             name="v4-model1",
             family=Family.V4,
             description="V4 engine 'MODEL1': 448 fp8 + 64 bf16 RoPE + 7 ue8m0 + 1 pad (584 B) "
-            "per entry, plus a 132 B indexer key per CSA entry",
+            "per entry, plus a 132 B indexer key per CSA entry and the compressors' fp32 state",
         ),
     )
 }
@@ -141,7 +144,8 @@ def v4_entries(
     """Entry formats of every V4 scheme in format ``name``.
 
     In the paper payload the CSA entry carries its indexer key (128 FP4) inline; the engine
-    format MODEL1 keeps the indexer key in a separate 132 B cache (128 fp8 + one fp32 scale).
+    format MODEL1 keeps the indexer key in a separate 132 B cache (128 fp8 + one fp32 scale per
+    128 values).
     """
     format_info(name, Family.V4)
     nope = head_dim - rope_dim
@@ -172,14 +176,49 @@ def v4_entries(
             Region(name="pad", num_values=1, dtype=DType.INT8),
         ),
     )
+    _tiles(name, index_head_dim, FP8_SCALE_TILE)
     indexer = EntryFormat(
         name="v4-indexer",
         regions=(
             Region(name="index_key", num_values=index_head_dim, dtype=DType.FP8_E4M3),
-            Region(name="index_scale", num_values=1, dtype=DType.FP32),
+            Region(
+                name="index_scale", num_values=index_head_dim // FP8_SCALE_TILE, dtype=DType.FP32
+            ),
         ),
     )
     return {Scheme.CSA: model1, Scheme.HCA: model1, Scheme.SWA: model1, Scheme.INDEXER: indexer}
+
+
+V4_STATE_GROUPS: dict[Scheme, int] = {
+    # Compression groups a compressor's state spans, keyed by the scheme it feeds. CSA compresses
+    # overlapping groups (an entry also draws on the group before it), so its compressor and the
+    # indexer's, which runs at CSA's ratio, keep two groups of state; HCA's keeps one (vLLM
+    # 0.32.0, models/deepseek_v4/compressor.py: coff = 2 when the ratio is 4, else 1).
+    Scheme.CSA: 2,
+    Scheme.INDEXER: 2,
+    Scheme.HCA: 1,
+}
+
+
+def v4_state_entries(name: str, *, head_dim: int, index_head_dim: int) -> dict[Scheme, EntryFormat]:
+    """Per token of its open groups, the fp32 state of each V4 compressor, keyed by the scheme
+    it feeds: a running ``kv_state`` and ``score_state`` of ``groups x head`` values each
+    (``head_dim`` for CSA and HCA, ``index_head_dim`` for the indexer's keys)."""
+    format_info(name, Family.V4)
+    if name == "v4-paper":
+        # The paper payload is the KV attention reads; compressor state is engine working memory.
+        return {}
+    heads = {Scheme.CSA: head_dim, Scheme.INDEXER: index_head_dim, Scheme.HCA: head_dim}
+    return {
+        scheme: EntryFormat(
+            name=f"v4-{scheme.value}-state",
+            regions=tuple(
+                Region(name=region, num_values=V4_STATE_GROUPS[scheme] * head, dtype=DType.FP32)
+                for region in ("kv_state", "score_state")
+            ),
+        )
+        for scheme, head in heads.items()
+    }
 
 
 def _tiles(name: str, values: int, tile: int) -> None:

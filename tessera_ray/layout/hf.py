@@ -1,5 +1,6 @@
 """A model's geometry read from its own Hugging Face ``config.json`` (the parsed mapping; reading
-the file is the caller's), for the architectures vLLM serves with full attention or MLA.
+the file is the caller's), for the architectures vLLM serves with full attention, MLA or
+DeepSeek-V4's hybrid attention (DeepSeek's own config format: ``compress_ratios`` per layer).
 
 Each architecture names its reader in one table. A reader takes exactly the fields the model's
 attention cache depends on, with Hugging Face's defaults where the format defines one
@@ -18,6 +19,7 @@ from tessera_ray.layout.formats import Family
 from tessera_ray.layout.models import (
     DEFAULT_FORMATS,
     FullAttentionConfig,
+    HybridV4Config,
     MLAConfig,
     ModelConfig,
 )
@@ -30,6 +32,10 @@ _FORMAT_BY_DTYPE: dict[tuple[Family, str], str] = {
     (Family.FULL_KV, "bfloat16"): "kv-bf16",
     (Family.FULL_KV, "float16"): "kv-fp16",
     (Family.MLA, "bfloat16"): "mla-bf16",
+    # V4's cache is fp8_ds_mla whatever the weights' dtype (vLLM 0.32.0,
+    # models/deepseek_v4/attention.py, _resolve_dsv4_kv_cache_dtype).
+    (Family.V4, "bfloat16"): "v4-model1",
+    (Family.V4, "float16"): "v4-model1",
 }
 
 
@@ -115,6 +121,62 @@ def _mla(f: _Fields, name: str, fmt: str | None) -> ModelConfig:
     )
 
 
+# DeepSeek-V4's compress ratios: window only, CSA, HCA (the ratios vLLM builds compressors for).
+_V4_RATIOS = (0, 4, 128)
+
+
+def _v4_ratios(f: _Fields, num_layers: int) -> tuple[int, ...]:
+    ratios = f.data.get("compress_ratios")
+    if not isinstance(ratios, list) or not ratios:
+        raise f.error("compress_ratios", f"must be a non-empty list, got {ratios!r}")
+    if len(ratios) < num_layers:
+        raise f.error(
+            "compress_ratios",
+            f"has {len(ratios)} entries, fewer than num_hidden_layers ({num_layers})",
+        )
+    for index, ratio in enumerate(ratios):
+        if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio not in _V4_RATIOS:
+            allowed = ", ".join(map(str, _V4_RATIOS))
+            raise f.error(
+                "compress_ratios", f"entry {index} is {ratio!r}; each must be one of {allowed}"
+            )
+    return tuple(ratios[:num_layers])
+
+
+def _deepseek_v4(f: _Fields, name: str, fmt: str | None) -> ModelConfig:
+    num_layers = f.positive("num_hidden_layers")
+    ratios = _v4_ratios(f, num_layers)
+    head_dim = f.positive("head_dim")
+    rope_dim = f.positive("qk_rope_head_dim")
+    if rope_dim >= head_dim:
+        raise f.error("qk_rope_head_dim", f"({rope_dim}) must be less than head_dim ({head_dim})")
+    kv_heads = f.positive("num_key_value_heads", default=1)
+    if kv_heads != 1:
+        raise f.error("num_key_value_heads", f"is {kv_heads}; DeepSeek-V4 keeps one KV head")
+    # Entries past num_hidden_layers are the multi-token-prediction layers: they get a cache
+    # only under speculative decoding, which the connector does not serve.
+    listed = len(f.data["compress_ratios"])
+    notes = (
+        (
+            f"compress_ratios lists {listed} layers for {num_layers} hidden layers: the last "
+            f"{listed - num_layers} (MTP) are not counted",
+        )
+        if listed > num_layers
+        else ()
+    )
+    return HybridV4Config(
+        name=name,
+        num_heads=f.positive("num_attention_heads"),
+        compress_ratios=ratios,
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        window_tokens=f.positive("sliding_window"),
+        index_head_dim=f.positive("index_head_dim"),
+        format=f.format(Family.V4, fmt),
+        notes=notes,
+    )
+
+
 HF_ARCHITECTURES: dict[str, Callable[[_Fields, str, str | None], ModelConfig]] = {
     "LlamaForCausalLM": _full_attention,
     "MistralForCausalLM": _full_attention,
@@ -122,6 +184,7 @@ HF_ARCHITECTURES: dict[str, Callable[[_Fields, str, str | None], ModelConfig]] =
     "Qwen3ForCausalLM": _full_attention,
     "DeepseekV2ForCausalLM": _mla,
     "DeepseekV3ForCausalLM": _mla,  # Kimi-K2 ships this architecture too
+    "DeepseekV4ForCausalLM": _deepseek_v4,
 }
 """Architectures (``config.json``'s ``architectures``) whose geometry is read, and how."""
 

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera_ray.errors import LayoutError, UnknownNameError
-from tessera_ray.layout.formats import Family, format_info, full_kv_entry, mla_entry, v4_entries
+from tessera_ray.layout.formats import (
+    V4_STATE_GROUPS,
+    Family,
+    format_info,
+    full_kv_entry,
+    mla_entry,
+    v4_entries,
+    v4_state_entries,
+)
 from tessera_ray.layout.spec import CacheSpec, ModelLayout, Scheme
 
 __all__ = [
@@ -133,7 +141,8 @@ class HybridV4Config:
 
     ``compress_ratios[i]`` picks layer ``i``'s scheme: 0 keeps only the sliding window,
     ``csa_stride`` adds a CSA entry per that many tokens, ``hca_stride`` an HCA entry. Every
-    layer keeps the uncompressed ``window_tokens`` sliding window.
+    layer keeps the uncompressed ``window_tokens`` sliding window. In the engine format a CSA or
+    HCA layer also keeps its compressors' state for the groups still open (windowed).
     """
 
     name: str
@@ -222,10 +231,25 @@ def _v4_layers(c: HybridV4Config) -> tuple[list[tuple[CacheSpec, ...]], int]:
             ),
         )
     hca = CacheSpec(scheme=Scheme.HCA, entry=entries[Scheme.HCA], stride_tokens=c.hca_stride)
+    strides = {Scheme.CSA: c.csa_stride, Scheme.INDEXER: c.csa_stride, Scheme.HCA: c.hca_stride}
+    # A compressor keeps its state for the tokens of the groups it has not closed yet: a window
+    # of groups x stride tokens (CSA: 2 x 4 = 8, HCA: 128), one state per token.
+    states = {
+        scheme: CacheSpec(
+            scheme=Scheme.COMPRESSOR_STATE,
+            entry=entry,
+            window_tokens=V4_STATE_GROUPS[scheme] * strides[scheme],
+        )
+        for scheme, entry in v4_state_entries(
+            c.format, head_dim=c.head_dim, index_head_dim=c.index_head_dim
+        ).items()
+    }
+    csa_states = tuple(states[s] for s in (Scheme.CSA, Scheme.INDEXER) if s in states)
+    hca_states = tuple(states[s] for s in (Scheme.HCA,) if s in states)
     by_ratio: dict[int, tuple[CacheSpec, ...]] = {
         0: (window,),
-        c.csa_stride: (*csa, window),
-        c.hca_stride: (hca, window),
+        c.csa_stride: (*csa, window, *csa_states),
+        c.hca_stride: (hca, window, *hca_states),
     }
     mha = 2 * c.num_layers * c.num_heads * c.head_dim * BF16_BYTES
     return [by_ratio[r] for r in c.compress_ratios], mha

@@ -10,18 +10,26 @@ from fractions import Fraction
 from typing import Any
 
 from tessera_ray.layout.accounting import ContextUsage
+from tessera_ray.layout.engine_pages import EnginePages
 from tessera_ray.layout.formats import FORMATS
 from tessera_ray.layout.models import DEFAULT_FORMATS, PRESETS
 from tessera_ray.layout.spec import CacheSpec, ModelLayout
 from tessera_ray.layout.units import format_bytes, format_context
 
-__all__ = ["layout_json", "usage_json", "render_layout", "render_presets"]
+__all__ = ["layout_json", "usage_json", "engine_json", "render_layout", "render_presets"]
 
 
 def _frac(value: Fraction) -> str:
     return (
         str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
     )
+
+
+def _frac_text(value: Fraction) -> str:
+    """As :func:`_frac`, with thousands separators, for the human table."""
+    if value.denominator == 1:
+        return f"{value.numerator:,}"
+    return f"{value.numerator:,}/{value.denominator:,}"
 
 
 def _per(spec: CacheSpec) -> str:
@@ -75,6 +83,50 @@ def layout_json(layout: ModelLayout) -> dict[str, Any]:
     }
 
 
+def engine_json(pages: EnginePages) -> dict[str, Any]:
+    """The engine's caches: per cache its block, page (padding included) and bytes per token of
+    one layer; totals over every layer."""
+    return {
+        "engine": pages.engine,
+        "caches": [
+            {
+                "spec": c.label(),
+                "layers": list(c.layers),
+                "window_tokens": c.cache.window_tokens,
+                "block_tokens": c.block_tokens,
+                "entries_per_page": c.entries_per_page,
+                "content_bytes": c.content_bytes,
+                "padding_bytes": c.padding_bytes,
+                "page_bytes": c.page_bytes,
+                "bytes_per_token": _frac(c.bytes_per_token),
+                "block_bytes": c.block_bytes,
+            }
+            for c in pages.caches
+        ],
+        "page_bytes": pages.page_bytes,
+        "paged_block_bytes": pages.paged_block_bytes,
+        "paged_bytes_per_token": _frac(pages.paged_bytes_per_token),
+        "window_bytes_per_token": _frac(pages.window_bytes_per_token),
+    }
+
+
+def _render_engine(pages: EnginePages) -> list[str]:
+    lines = [f"  {pages.engine} allocates (pages padded as the engine pads them):"]
+    for c in pages.caches:
+        padding = f" ({c.padding_bytes:,} B padding)" if c.padding_bytes else ""
+        lines.append(
+            f"    {c.label()} x {len(c.layers)} layers: block {c.block_tokens} tokens, page "
+            f"{c.page_bytes:,} B{padding} = {_frac_text(c.bytes_per_token)} B/token"
+        )
+    lines.append(
+        f"    total: {pages.page_bytes:,} B for a page of every cache and layer; "
+        f"{pages.paged_block_bytes:,} B a block of the whole-context caches "
+        f"({_frac_text(pages.paged_bytes_per_token)} B/token), windows "
+        f"{_frac_text(pages.window_bytes_per_token)} B/token"
+    )
+    return lines
+
+
 def usage_json(usage: ContextUsage) -> dict[str, Any]:
     return {
         "context": format_context(usage.context_tokens),
@@ -115,8 +167,11 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     ]
 
 
-def render_layout(layout: ModelLayout, usages: list[ContextUsage]) -> str:
-    """A header describing the layout, then one row per context."""
+def render_layout(
+    layout: ModelLayout, usages: list[ContextUsage], engine: EnginePages | None = None
+) -> str:
+    """A header describing the layout (and, given ``engine``, the engine's caches for it), then
+    one row per context."""
     lines = [
         f"{layout.model}: format {layout.format_name}, {layout.num_layers} layers, "
         f"block {layout.block_tokens} tokens, {_frac(layout.paged_bytes_per_token)} paged B/token, "
@@ -133,6 +188,8 @@ def render_layout(layout: ModelLayout, usages: list[ContextUsage]) -> str:
             f"  {s.label()} x {len(ls)} layers: {s.entry.describe()} = {_per(s)}, "
             f"per-request ring of {s.window_tokens} tokens (not paged)"
         )
+    if engine is not None:
+        lines.extend(_render_engine(engine))
     lines.extend(f"  note: {n}" for n in layout.notes)
     header = [
         "context",

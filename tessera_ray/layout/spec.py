@@ -110,6 +110,8 @@ class Scheme(enum.Enum):
     HCA = "hca"
     SWA = "swa"
     INDEXER = "indexer"
+    COMPRESSOR_STATE = "compressor-state"
+    """A V4 compressor's fp32 running state for the tokens of its open groups (windowed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +119,8 @@ class CacheSpec:
     """What one layer stores for one scheme: one ``entry`` per ``stride_tokens`` tokens.
 
     ``window_tokens`` is set for sliding windows: only the last ``window_tokens`` tokens are
-    kept, in a per-request ring (the arena), not in shared pages.
+    kept by the engine; the tier stores them only where a stored prefix ends (a resume
+    record, docs/v4-connector.md), not in every page.
     """
 
     scheme: Scheme
@@ -259,7 +262,7 @@ class ModelLayout:
 
     @cached_property
     def windows(self) -> tuple[tuple[CacheSpec, tuple[int, ...]], ...]:
-        """Sliding-window specs with the layers that keep them (held in per-request arenas)."""
+        """Sliding-window specs with the layers that keep them (stored as resume records)."""
         members: dict[CacheSpec, list[int]] = {}
         for index, specs in enumerate(self.layers):
             for spec in specs:
@@ -281,6 +284,17 @@ class ModelLayout:
     def block_bytes(self) -> int:
         """Bytes of one full token block over every paged layer."""
         return sum(g.block_bytes for g in self.groups)
+
+    @property
+    def resume_bytes(self) -> int:
+        """Bytes of one resume record: what every sliding window keeps where a prefix ends,
+        ``window - 1`` positions (vLLM keeps the positions from ``n - window + 1`` after ``n``
+        tokens), for every layer that keeps it."""
+        return sum(
+            (spec.window_tokens - 1) // spec.stride_tokens * spec.entry.entry_bytes * len(layers)
+            for spec, layers in self.windows
+            if spec.window_tokens is not None
+        )
 
     def canonical(self) -> dict[str, object]:
         """A JSON-able description of what determines the stored bytes, model included."""

@@ -16,7 +16,6 @@ from tessera_ray.storage.keys import (
     normalize_key,
 )
 from tessera_ray.storage.tier import StorageTier, TierCapabilities
-from tessera_ray.storage.windows import WindowPersister, WindowStrategy, window_write_bytes
 
 __all__ = [
     "StorageTier",
@@ -33,7 +32,4 @@ __all__ = [
     "is_key_hex",
     "fsck",
     "FsckReport",
-    "WindowStrategy",
-    "WindowPersister",
-    "window_write_bytes",
 ]

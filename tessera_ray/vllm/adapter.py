@@ -17,7 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.model_executor.models.utils import extract_layer_index
@@ -31,9 +33,12 @@ from tessera_ray.layout import (
     ModelLayout,
     Scheme,
     build_layout,
+    config_from_hf,
 )
 from tessera_ray.vllm.attention_backends import planes_for
 from tessera_ray.vllm.config import TesseraConnectorConfig
+from tessera_ray.vllm.hybrid import EngineGroup, HybridPlanner
+from tessera_ray.vllm.hybrid_worker import HybridMover, resume_chunks
 from tessera_ray.vllm.records import CachedScheduled, NewScheduled, StepPlan
 from tessera_ray.vllm.scheduler import (
     TIER_TOKENS_PARAM,
@@ -174,6 +179,27 @@ def _engine_layout(
     )
 
 
+def _hybrid_layout(
+    vllm_config: VllmConfig, config: TesseraConnectorConfig, name: str
+) -> ModelLayout:
+    """The tier layout of a hybrid model, read from its Hugging Face config as the tier reads
+    it (``tessera-ray size --hf-config``)."""
+    hf = vllm_config.model_config.hf_config
+    return build_layout(config_from_hf(hf.to_dict(), name=name, format=config.format))
+
+
+def _check_hybrid(tier: ModelLayout, engine: ModelLayout) -> None:
+    """The tier's pages must be the engine's caches, layer for layer (the model's name may
+    differ: the tier names it after its config, the engine after its path)."""
+    if (tier.layers, tier.block_tokens) != (engine.layers, engine.block_tokens):
+        raise LayoutError(
+            f"the tier stores {tier.model}/{tier.format_name} in {tier.block_tokens}-token "
+            f"blocks; the engine's hybrid cache is {engine.model}/{engine.format_name} in "
+            f"{engine.block_tokens}-token blocks: start the tier with the model's config "
+            "(tessera-ray start --hf-config)"
+        )
+
+
 def _entry_text(entry: EntryFormat) -> str:
     return " + ".join(f"{r.num_values} {r.dtype.value} {r.name}" for r in entry.regions)
 
@@ -199,10 +225,7 @@ def _check_engine(
     check_block_sizes(tier.block_tokens, engine_tokens)
     if kv_cache_config is None:
         return
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise LayoutError(f"TesseraConnector needs one KV cache group, vLLM has {len(groups)}")
-    spec = groups[0].kv_cache_spec
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     mla = engine.groups[0].page.cache.scheme is Scheme.MLA
     kind = "MLAAttentionSpec" if mla else "FullAttentionSpec"
     if type(spec).__name__ != kind:
@@ -215,6 +238,45 @@ def _check_engine(
             f"vLLM's cache pages are {spec.block_size} tokens / {spec.page_size_bytes} B, the "
             f"tier's rows {row} B per token; match kv_cache_dtype to the tier's format"
         )
+
+
+_FULL_SPECS = ("MLAAttentionSpec", "FullAttentionSpec")
+"""vLLM cache specs that keep every position: stored as tier blocks."""
+_WINDOW_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec")
+"""vLLM cache specs that keep a sliding window: stored as resume records (several groups)."""
+
+
+def engine_groups(kv_cache_config: KVCacheConfig | None) -> list[EngineGroup]:
+    """vLLM's KV cache groups as the connector stores them; a group it cannot store is refused
+    at engine start, in one line naming it."""
+    if kv_cache_config is None:
+        return []
+    groups = kv_cache_config.kv_cache_groups
+    out: list[EngineGroup] = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        # A group of layers whose specs differ only in page size (V4's compressed caches and
+        # their indexer) wraps them: it is stored as their one kind.
+        inner = getattr(spec, "kv_cache_specs", None)
+        kinds = {type(s).__name__ for s in inner.values()} if inner else {type(spec).__name__}
+        kind = kinds.pop() if len(kinds) == 1 else type(spec).__name__
+        stored = _FULL_SPECS + (_WINDOW_SPECS if len(groups) > 1 else ())
+        if kind not in stored:
+            names = list(group.layer_names)
+            layers = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            raise LayoutError(
+                f"TesseraConnector cannot store vLLM's KV cache group {index} of {len(groups)} "
+                f"({kind}, {spec.block_size}-token blocks, layers {layers}): it stores "
+                f"{', '.join(stored)} groups"
+            )
+        windows = {
+            getattr(s, "sliding_window", None) for s in (inner.values() if inner else [spec])
+        }
+        if len(windows) != 1:
+            raise LayoutError(f"vLLM's KV cache group {index} mixes sliding windows {windows}")
+        window = windows.pop() if kind in _WINDOW_SPECS else None
+        out.append(EngineGroup(spec.block_size, window))
+    return out
 
 
 def _check_backend(config: TesseraConnectorConfig, vllm_config: VllmConfig) -> None:
@@ -241,8 +303,12 @@ def _tp_rank() -> int:
         return 0
 
 
-class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+class TesseraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
     """vLLM v1 KV connector over the tessera-ray tier (README, "vLLM connector").
+
+    It declares support for vLLM's hybrid KV-cache manager (``SupportsHMA``): without it vLLM
+    turns the manager off, and models that need it (DeepSeek-V4) cannot start. Every KV cache
+    group then reaches the connector, which refuses at start any it cannot store.
 
     Enable with ``kv_transfer_config={"kv_connector": "TesseraConnector",
     "kv_connector_module_path": "tessera_ray.vllm.connector", "kv_role": "kv_both",
@@ -265,40 +331,78 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 "context parallelism are not supported"
             )
         _check_backend(self.config, vllm_config)
+        self.groups = engine_groups(kv_cache_config)
+        self.hybrid = len(self.groups) > 1
         model_name = self.config.model_name or _served_name(vllm_config)
+        self.counters = ConnectorCounters()
+        self.planner: SchedulerPlanner | None = None
+        self.mover: WorkerMover | None = None
+        self.hybrid_mover: HybridMover | None = None
+        if self.hybrid:
+            self._init_hybrid(vllm_config, role, model_name)
+            return
         engine_layout = _engine_layout(vllm_config, self.config, model_name)
         engine_tokens = vllm_config.cache_config.block_size
         self.tier = open_tier(self.config, engine_layout)
-        self.counters = ConnectorCounters()
         _check_engine(self.tier.layout, engine_layout, engine_tokens, kv_cache_config)
-        self.planner: SchedulerPlanner | None = None
-        self.mover: WorkerMover | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.planner = SchedulerPlanner(
                 self.tier,
                 self.tier.layout,
-                namespace=self.config.namespace,
-                model_name=model_name,
                 block_tokens=engine_tokens,
-                can_load=transfer.is_kv_consumer,
-                can_save=transfer.is_kv_producer,
-                extra_keys=generate_block_hash_extra_keys,
-                lookup_wait_s=self.config.lookup_wait_s,
-                lookup_timeout_s=self.config.timeout_s,
-                store_wait_s=self.config.store_wait_s,
-                counters=self.counters,
+                **self._planner_args(transfer, model_name),
             )
         else:
-            # MLA caches are replicated across tensor-parallel ranks: every rank loads, one
-            # rank saves.
             self.mover = WorkerMover(
                 self.tier,
                 self.tier.layout,
                 engine_tokens=engine_tokens,
-                can_save=transfer.is_kv_producer and _tp_rank() == 0,
-                timeout_s=self.config.timeout_s,
-                max_pending_saves=self.config.max_pending_saves,
-                counters=self.counters,
+                **self._mover_args(transfer),
+            )
+
+    def _planner_args(self, transfer: Any, model_name: str) -> dict[str, Any]:
+        """What the scheduler side takes from the connector's config, whatever the model."""
+        return {
+            "namespace": self.config.namespace,
+            "model_name": model_name,
+            "can_load": transfer.is_kv_consumer,
+            "can_save": transfer.is_kv_producer,
+            "extra_keys": generate_block_hash_extra_keys,
+            "lookup_wait_s": self.config.lookup_wait_s,
+            "lookup_timeout_s": self.config.timeout_s,
+            "store_wait_s": self.config.store_wait_s,
+            "counters": self.counters,
+        }
+
+    def _mover_args(self, transfer: Any) -> dict[str, Any]:
+        """What the worker side takes from the connector's config. MLA caches are replicated
+        across tensor-parallel ranks: every rank loads, one rank saves."""
+        return {
+            "can_save": transfer.is_kv_producer and _tp_rank() == 0,
+            "timeout_s": self.config.timeout_s,
+            "max_pending_saves": self.config.max_pending_saves,
+            "counters": self.counters,
+        }
+
+    def _init_hybrid(self, vllm_config: VllmConfig, role: KVConnectorRole, model_name: str) -> None:
+        """Several KV cache groups (DeepSeek-V4): prefix blocks and resume records
+        (:mod:`~tessera_ray.vllm.hybrid`)."""
+        transfer = vllm_config.kv_transfer_config
+        layout = _hybrid_layout(vllm_config, self.config, model_name)
+        self.tier = open_tier(self.config, layout)
+        _check_hybrid(self.tier.layout, layout)
+        layout = self.tier.layout
+        if role == KVConnectorRole.SCHEDULER:
+            self.planner = HybridPlanner(
+                self.tier,
+                layout,
+                groups=self.groups,
+                resume_chunks=resume_chunks(layout),
+                **self._planner_args(transfer, model_name),
+            )
+        else:
+            self.hybrid_mover = HybridMover(
+                self.tier, layout, groups=self.groups, **self._mover_args(transfer)
             )
 
     @classmethod
@@ -323,20 +427,32 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     ) -> tuple[int | None, bool]:
         # None: the tier lookup is still on its way; vLLM skips the request this step and asks
         # again, so a slow tier never stalls the scheduler.
-        return self._planner().matched_tokens(request, num_computed_tokens), False
+        matched = self._planner().matched_tokens(request, num_computed_tokens)
+        # A hybrid hit loads asynchronously: only then does vLLM take a failed load per request.
+        return matched, bool(matched) and self.hybrid
 
     @counted("scheduler_s")
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        planner = self._planner()
+        if isinstance(planner, HybridPlanner):
+            planner.after_alloc_groups(request, blocks.get_block_ids(), num_external_tokens)
+            return
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
-        self._planner().after_alloc(request, block_ids, num_external_tokens)
+        planner.after_alloc(request, block_ids, num_external_tokens)
 
     @counted("scheduler_s", "scheduler_steps")
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         new = [
-            NewScheduled(r.req_id, r.block_ids[0], r.num_computed_tokens, scheduled[r.req_id])
+            NewScheduled(
+                r.req_id,
+                r.block_ids[0],
+                r.num_computed_tokens,
+                scheduled[r.req_id],
+                tuple(r.block_ids) if self.hybrid else (),
+            )
             for r in scheduler_output.scheduled_new_reqs
         ]
         c = scheduler_output.scheduled_cached_reqs
@@ -347,6 +463,7 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 req_id in c.resumed_req_ids,
                 c.num_computed_tokens[i],
                 scheduled.get(req_id, 0),
+                tuple(ids) if self.hybrid and ids is not None else None,
             )
             for i, (req_id, ids) in enumerate(zip(c.req_ids, c.new_block_ids, strict=True))
         ]
@@ -354,7 +471,10 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     @counted("scheduler_s")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._planner().load_failed(set(connector_output.invalid_block_ids or ()))
+        planner = self._planner()
+        if isinstance(planner, HybridPlanner):
+            planner.loads_failed(set(connector_output.failed_recving or ()))
+        planner.load_failed(set(connector_output.invalid_block_ids or ()))
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, TesseraWorkerMetadata):
             self._planner().stores_done(meta.done_saves)
@@ -370,6 +490,13 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         tier_tokens = self._planner().finished(request.request_id)
         return False, {TIER_TOKENS_PARAM: tier_tokens}
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this instead of request_finished once the hybrid manager is on; the
+        # connector stores one group (checked at start).
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # ---------------------------------------------------------------- worker side
 
     def _mover(self) -> WorkerMover:
@@ -382,34 +509,61 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         return meta.plan
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.hybrid_mover is not None:
+            assert self._kv_cache_config is not None
+            group_of = {
+                name: index
+                for index, group in enumerate(self._kv_cache_config.kv_cache_groups)
+                for name in group.layer_names
+            }
+            self.hybrid_mover.register(kv_caches, extract_layer_index, group_of)
+            return
         planes = planes_for(self._vllm_config, self._mover().engine_tokens)
         self._mover().register(kv_caches, extract_layer_index, planes)
 
     @counted("forward_s")
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._mover().start(self._plan())
+        if self.hybrid_mover is not None:
+            self.hybrid_mover.start(self._plan())
+        else:
+            self._mover().start(self._plan())
 
     @counted("forward_s")
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._mover().wait_layer(self._plan(), layer_name)
+        if self.hybrid_mover is None:  # a hybrid load ends before its request runs
+            self._mover().wait_layer(self._plan(), layer_name)
 
     @counted("forward_s")
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self._mover().save_layer(self._plan(), layer_name, kv_layer)
+        if self.hybrid_mover is None:  # a hybrid save reads every cache after the forward
+            self._mover().save_layer(self._plan(), layer_name, kv_layer)
 
     @counted("forward_s", "worker_steps")
     def wait_for_save(self) -> None:
-        if self.has_connector_metadata():
+        if not self.has_connector_metadata():
+            return
+        if self.hybrid_mover is not None:
+            self.hybrid_mover.finish(self._plan())
+        else:
             self._mover().finish(self._plan())
 
     @counted("forward_s")
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.hybrid_mover is not None:
+            return set()  # reported per request, by get_transfer_results
         return self._mover().take_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.hybrid_mover is None:
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = self.hybrid_mover.take_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        done = self._mover().take_done_saves()
+        mover = self.hybrid_mover if self.hybrid_mover is not None else self._mover()
+        done = mover.take_done_saves()
         return TesseraWorkerMetadata(tuple(done)) if done else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -423,7 +577,8 @@ class TesseraConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def shutdown(self) -> None:
         # The tier outlives the engine (a shared local tier serves the process's other
         # connectors; the Ray tier serves the cluster): only this worker's reader thread ends.
-        if self.mover is not None:
-            if not self.mover.flush(self.config.timeout_s):
-                log.warning("tier stores still running at shutdown; dropping them")
-            self.mover.close()
+        for mover in (self.mover, self.hybrid_mover):
+            if mover is not None:
+                if not mover.flush(self.config.timeout_s):
+                    log.warning("tier stores still running at shutdown; dropping them")
+                mover.close()

@@ -87,7 +87,9 @@ class RayTier(TierBackend):
             return
         self._reader_tried = True
         blocks = self._staging_bytes // self.layout.block_bytes
-        if blocks < 1:
+        if blocks < 1 or len(self.layout.groups) != 1:
+            # The mapped and NIXL reader stages one layer group; a hybrid layout's blocks span
+            # several, and go through the object store.
             return
         try:
             peer = run_on_loop(self.link.peer_info(self.timeout_s), self.timeout_s)

@@ -80,6 +80,13 @@ class BlockLoad:
     hits: tuple[TierHit, ...]
     tier_position: int
     rows: TokenRows
+    groups: tuple[TokenRows, ...] = ()
+    """A hybrid model (several KV cache groups): the positions written in every group, in
+    vLLM's group order (a sliding-window group only those it keeps at ``rows.stop``)."""
+    resume_keys: tuple[TokenKey, ...] = ()
+    """A hybrid model: the chunks of the resume record at ``rows.stop`` (the windows and
+    compressor states the engine keeps there), read and verified with the tier blocks."""
+    resume_hits: tuple[TierHit, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,11 @@ class BlockSave:
     namespace: str
     token_keys: tuple[TokenKey, ...]
     rows: TokenRows
+    groups: tuple[TokenRows, ...] = ()
+    """A hybrid model: per KV cache group, the positions read (a sliding-window group: those it
+    keeps at ``rows.stop``, the resume record)."""
+    resume_keys: tuple[TokenKey, ...] = ()
+    """A hybrid model: the keys of the resume record's chunks at ``rows.stop``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +124,8 @@ class NewScheduled:
     block_ids: Sequence[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    groups: tuple[Sequence[int], ...] = ()
+    """Every KV cache group's block ids (``block_ids`` is the first group's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,3 +137,5 @@ class CachedScheduled:
     resumed: bool
     num_computed_tokens: int
     num_scheduled_tokens: int
+    new_groups: tuple[Sequence[int], ...] | None = None
+    """Every KV cache group's new block ids (``new_block_ids`` is the first group's)."""

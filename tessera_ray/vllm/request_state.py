@@ -66,6 +66,9 @@ class LookupMatch:
     first: int
     keys: list[TokenKey]
     hits: list[TierHit]
+    resume_keys: list[TokenKey] = field(default_factory=list)
+    """A hybrid model: the chunks of the resume record where the match ends, and their hits."""
+    resume_hits: list[TierHit] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -77,6 +80,8 @@ class TrackedRequest:
     keys: list[TokenKey] = field(default_factory=list)
     mm_index: int = 0
     block_ids: list[int] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)
+    """A hybrid model: every KV cache group's block ids, in position order."""
     known_blocks: int = 0
     """Leading tier blocks the tier holds or that were already handed to a worker to save."""
     lookup: PendingLookup | None = None

@@ -104,6 +104,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def leading_hits(found: Sequence[TierHit | None]) -> list[TierHit]:
+    """The hits before the first miss."""
+    hits: list[TierHit] = []
+    for hit in found:
+        if hit is None:
+            break
+        hits.append(hit)
+    return hits
+
+
 class SchedulerPlanner:
     """Scheduler-side state of the connector (see the module docstring)."""
 
@@ -205,7 +215,7 @@ class SchedulerPlanner:
         if limit <= first:
             tracked.lookup = None
             return 0
-        keys = self._keys(tracked, limit)[first:limit]
+        keys = self._lookup_keys(tracked, first, limit)
         pending = tracked.lookup
         if pending is None and self._clock() < tracked.relook_s:
             self.counters.add(store_waits=1)
@@ -233,19 +243,35 @@ class SchedulerPlanner:
             self._tier_failed(exc)
             return 0
         tracked.lookup = None
-        hits: list[TierHit] = []
-        for hit in found:
-            if hit is None:
-                break
-            hits.append(hit)
-        if self._still_storing(keys, len(hits)):
+        prefix = keys[: limit - first]
+        match, held = self._matched(tracked, num_computed_tokens, first, keys, found)
+        if self._still_storing(prefix, held):
             tracked.relook_s = self._clock() + _RELOOK_S
             self.counters.add(store_waits=1)
             return None
-        if not hits:
+        if match is None:
             return 0
-        tracked.match = LookupMatch(num_computed_tokens, first, keys[: len(hits)], hits)
-        return (first + len(hits)) * bs - num_computed_tokens
+        tracked.match = match
+        return (first + len(match.keys)) * bs - num_computed_tokens
+
+    def _lookup_keys(self, tracked: TrackedRequest, first: int, limit: int) -> list[TokenKey]:
+        """What one lookup asks for: the keys of tier blocks ``first .. limit``."""
+        return self._keys(tracked, limit)[first:limit]
+
+    def _matched(
+        self,
+        tracked: TrackedRequest,
+        computed: int,
+        first: int,
+        keys: Sequence[TokenKey],
+        found: Sequence[TierHit | None],
+    ) -> tuple[LookupMatch | None, int]:
+        """What a lookup of ``keys`` found: the match (``None``: nothing to load) and how many
+        leading tier blocks the tier held."""
+        hits = leading_hits(found)
+        if not hits:
+            return None, 0
+        return LookupMatch(computed, first, list(keys[: len(hits)]), hits), len(hits)
 
     def _tier_failed(self, exc: TierUnavailableError) -> None:
         self.counters.add(tier_failures=1)
@@ -324,6 +350,7 @@ class SchedulerPlanner:
             tracked_new = self._requests.get(n.req_id)
             if tracked_new is not None:
                 tracked_new.block_ids = list(n.block_ids)
+                tracked_new.groups = [list(ids) for ids in n.groups]
                 steps.append((tracked_new, n.num_computed_tokens + n.num_scheduled_tokens))
         for c in cached:
             tracked_c = self._requests.get(c.req_id)
@@ -331,8 +358,11 @@ class SchedulerPlanner:
                 continue
             if c.resumed:
                 tracked_c.block_ids = list(c.new_block_ids or ())
-            elif c.new_block_ids:
-                tracked_c.block_ids.extend(c.new_block_ids)
+                tracked_c.groups = [list(ids) for ids in c.new_groups or ()]
+            else:
+                tracked_c.block_ids.extend(c.new_block_ids or ())
+                for ids, more in zip(tracked_c.groups, c.new_groups or (), strict=False):
+                    ids.extend(more)
             steps.append((tracked_c, c.num_computed_tokens + c.num_scheduled_tokens))
         if self.can_save:
             for tracked, done in steps:
@@ -344,7 +374,7 @@ class SchedulerPlanner:
         self._save_seq += 1
         if self.can_load and self.store_wait_s > 0:
             self._forget_expired()
-            keys = [k for save in saves for k in save.token_keys]
+            keys = [k for save in saves for k in (*save.token_keys, *save.resume_keys)]
             self._stores[self._save_seq] = (self._clock() + self.store_wait_s, keys)
             self._storing.update(dict.fromkeys(keys, self._save_seq))
         return StepPlan(tuple(loads), tuple(saves), self._save_seq)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +50,7 @@ from tessera_ray.vllm.planes import LayerPlanes, mla_planes
 from tessera_ray.vllm.records import BlockLoad, StepPlan, TokenRows
 from tessera_ray.vllm.scheduler import check_block_sizes, check_paged_layout
 from tessera_ray.vllm.stats import ConnectorCounters
+from tessera_ray.vllm.store_queue import StoreQueue
 
 __all__ = ["WorkerMover"]
 
@@ -98,13 +98,7 @@ class WorkerMover:
         # work before attention overlaps the tier round trip; stores on another, off the
         # forward path, at most max_pending_saves steps behind.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-save")
-        self._save_slots = threading.BoundedSemaphore(max_pending_saves)
-        self._done_lock = threading.Lock()
-        self._done_saves: list[int] = []
-        self._store_error: Exception | None = None
-        """What the background store raised that is not the tier's failure, for the next
-        :meth:`finish` to raise on the engine's thread."""
+        self._stores = StoreQueue(tier, self.counters, max_pending=max_pending_saves)
         self._closed = False
         self._reset()
 
@@ -318,10 +312,7 @@ class WorkerMover:
 
         Tier blocks of a request whose load failed this step are not stored: that request's
         tokens this step attended to blocks that were not there."""
-        with self._done_lock:
-            error, self._store_error = self._store_error, None
-        if error is not None:
-            raise error
+        self._stores.raise_error()
         self._step(plan)
         if self._pending is not None:
             missed = [layer for layer in self._layers.values() if layer.index not in self._copied]
@@ -342,7 +333,7 @@ class WorkerMover:
         seq = self._plan.save_seq
         if len(self._saved_layers) != self.layout.num_layers:
             log.warning("only %d layers saved this step; not storing", len(self._saved_layers))
-            self._store_done(seq)
+            self._stores.done(seq)
             return
         failed = self._outcome.failed_requests if self._outcome is not None else set()
         by_ns: dict[str, tuple[list[TokenKey], list[int]]] = {}
@@ -354,54 +345,18 @@ class WorkerMover:
                 idx.extend(range(at, at + len(save.token_keys)))
             at += len(save.token_keys)
         if not by_ns:
-            self._store_done(seq)
+            self._stores.done(seq)
             return
-        self._save_slots.acquire()  # bounded: a tier slower than the engine holds it here
-        self._writer.submit(self._store, by_ns, rows, seq)
-
-    def _store_done(self, seq: int) -> None:
-        with self._done_lock:
-            self._done_saves.append(seq)
+        self._stores.submit(by_ns, rows, seq)
 
     def take_done_saves(self) -> list[int]:
         """The ``save_seq`` of every step whose stores ended (landed or not) since the last
         call: the scheduler stops waiting for their blocks."""
-        with self._done_lock:
-            done, self._done_saves = self._done_saves, []
-        return done
-
-    def _store(
-        self, by_ns: dict[str, tuple[list[TokenKey], list[int]]], rows: torch.Tensor, seq: int
-    ) -> None:
-        def store() -> int:
-            stored = 0
-            for namespace, (keys, idx) in by_ns.items():
-                try:
-                    self.tier.store(namespace, keys, rows[idx].numpy())
-                    stored += len(keys)
-                except TierUnavailableError as exc:  # a save that fails is a later miss
-                    self.counters.add(tier_failures=1)
-                    log.warning("tier store of %d blocks failed: %s", len(keys), exc)
-            return stored
-
-        try:
-            self.counters.timed_store(store)
-        except Exception as exc:  # a bug: raised by the next step's hook, off this thread
-            with self._done_lock:
-                self._store_error = exc
-        finally:
-            self._save_slots.release()
-            self._store_done(seq)
+        return self._stores.take_done()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every store handed over so far is done; ``False`` on timeout."""
-        if self._closed:
-            return True  # close() waited for them
-        try:
-            self._writer.submit(lambda: None).result(timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return self._stores.flush(timeout_s)
 
     def take_load_errors(self) -> set[int]:
         """Engine block ids whose load failed this step (reported once)."""
@@ -418,5 +373,5 @@ class WorkerMover:
             return
         self._closed = True
         self._reader.shutdown(wait=True, cancel_futures=True)  # no read into staging after
-        self._writer.shutdown(wait=True)
+        self._stores.close()
         self.tier.release_reads()

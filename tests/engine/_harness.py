@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineRun", "run_engine", "ROOT", "same", "check_eviction_run"]
+__all__ = ["EngineRun", "run_engine", "ROOT", "same", "check_eviction_run", "full_tokens"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,6 +71,12 @@ def _end_session(session: int, grace_s: float = 30.0) -> None:
         os.killpg(session, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def full_tokens(prompt: list[int], tier: int) -> int:
+    """Tokens of ``prompt`` in full tier blocks of ``tier`` tokens, its last token excluded
+    (vLLM computes at least one token)."""
+    return (len(prompt) - 1) // tier * tier
 
 
 def same(got: dict[str, Any], want: dict[str, Any]) -> bool:

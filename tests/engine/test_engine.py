@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tessera_ray.models.hf_tiny import tier_geometry, write_tiny_mla
-from tests.engine._harness import check_eviction_run, same
+from tests.engine._harness import check_eviction_run, full_tokens, same
 from tests.engine.conftest import EngineRun, engine_block_sizes, run, run_engine
 
 TIER = 64  # the tier block of MLA (FlashMLA's page) and of full attention
@@ -49,8 +49,7 @@ EVICT = {f"q{i}": _prompt(10 * TIER + 5) for i in range(1, 5)}
 
 
 def _full(prompt: list[int]) -> int:
-    """Tokens of ``prompt`` in full tier blocks, its last token excluded."""
-    return (len(prompt) - 1) // TIER * TIER
+    return full_tokens(prompt, TIER)
 
 
 @pytest.fixture(scope="module")

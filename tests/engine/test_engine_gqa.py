@@ -17,7 +17,7 @@ import pytest
 
 from tessera_ray.models.hf_tiny import write_tiny_gqa
 from tests.engine._harness import check_eviction_run, same
-from tests.engine.conftest import EngineRun, run, run_engine
+from tests.engine.conftest import EngineRun, hf_tiers, run_engine
 from tests.engine.test_engine import EVICT, PARTIAL, PROMPTS, TIER, _full
 
 MAIN, SMALL = "tessera-gqa-main", "tessera-gqa-small"
@@ -39,15 +39,8 @@ def model(work: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiers(ray_cluster: None, model: Path) -> Iterator[None]:
     # 24 blocks: the eviction test's three prompts of 10 blocks do not fit.
-    for namespace, blocks in ((MAIN, 256), (SMALL, 24)):
-        out = run(
-            "tessera-ray", "start", "--hf-config", str(model), "--num-blocks", str(blocks),
-            "--ray-namespace", namespace,
-        )  # fmt: skip
-        assert "joined the Ray cluster" in out.stdout and f"({model.name}," in out.stdout
-    yield
-    for namespace in (MAIN, SMALL):
-        run("tessera-ray", "stop", "--ray-namespace", namespace, check=False)
+    with hf_tiers(model, {MAIN: 256, SMALL: 24}):
+        yield
 
 
 def _engines(model: Path, work: Path, block: int | None) -> tuple[EngineRun, EngineRun]:

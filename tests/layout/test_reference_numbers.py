@@ -170,13 +170,21 @@ def test_block_sizes_are_derived() -> None:
 
 
 def test_v4_flash_layer_map() -> None:
-    """Layers 0-1 window only, then CSA / HCA alternating: 21 CSA, 20 HCA, 43 windows."""
+    """Layers 0-1 window only, then CSA / HCA alternating: 21 CSA, 20 HCA, 43 windows. In the
+    engine format a CSA layer also keeps two compressor states (its own, the indexer's), an HCA
+    layer one; the paper payload keeps none."""
     layout = preset_layout("deepseek-v4-flash")
     schemes = [tuple(s.scheme for s in specs) for specs in layout.layers]
+    state = Scheme.COMPRESSOR_STATE
     assert layout.num_layers == 43
     assert schemes[0] == schemes[1] == (Scheme.SWA,)
-    assert schemes[2] == (Scheme.CSA, Scheme.INDEXER, Scheme.SWA)
-    assert schemes[3] == (Scheme.HCA, Scheme.SWA)
+    assert schemes[2] == (Scheme.CSA, Scheme.INDEXER, Scheme.SWA, state, state)
+    assert schemes[3] == (Scheme.HCA, Scheme.SWA, state)
+    paper = preset_layout("deepseek-v4-flash", format="v4-paper")
+    assert [tuple(s.scheme for s in specs) for specs in paper.layers][2:4] == [
+        (Scheme.CSA, Scheme.SWA),
+        (Scheme.HCA, Scheme.SWA),
+    ]
     assert sum(Scheme.CSA in s for s in schemes) == 21
     assert sum(Scheme.HCA in s for s in schemes) == 20
     assert sum(Scheme.SWA in s for s in schemes) == 43

@@ -97,8 +97,15 @@ def test_layer_groups_share_identical_specs() -> None:
     assert groups[Scheme.CSA] == tuple(range(2, 43, 2))
     assert groups[Scheme.INDEXER] == tuple(range(2, 43, 2))
     assert groups[Scheme.HCA] == tuple(range(3, 42, 2))
-    ((window, layers),) = v4.windows
+    (window, layers), *states = v4.windows
+    assert window.scheme is Scheme.SWA
     assert window.window_tokens == 128 and layers == tuple(range(43))
+    # The compressors' state: CSA's own and the indexer's (8 tokens), HCA's (128 tokens).
+    assert [(s.entry.name, s.window_tokens, ls) for s, ls in states] == [
+        ("v4-csa-state", 8, tuple(range(2, 43, 2))),
+        ("v4-indexer-state", 8, tuple(range(2, 43, 2))),
+        ("v4-hca-state", 128, tuple(range(3, 42, 2))),
+    ]
     v3 = preset_layout("deepseek-v3")
     assert len(v3.groups) == 1 and v3.groups[0].layers == tuple(range(61))
     assert v3.block_bytes == 61 * 73_728
@@ -183,3 +190,22 @@ def test_presets_all_build_and_account() -> None:
         assert usage.payload_bytes > 0 and usage.stored_bytes >= usage.payload_bytes
     assert preset_layout("deepseek-v4-pro").assumed
     assert any("ASSUMED" in n for n in preset_layout("deepseek-v4-pro").notes)
+
+
+def test_v4_flash_resume_record_bytes() -> None:
+    """What one resume record holds for DeepSeek-V4-Flash in the engine format: every window
+    keeps ``window - 1`` positions (vLLM's SlidingWindowManager): 43 layers' 128-token windows
+    of 584 B; on the 21 CSA layers 7 positions of the compressor's own fp32 state (2 x 2 x 512
+    values) and the indexer compressor's (2 x 2 x 128); on the 20 HCA layers 127 positions of
+    2 x 512 values (vLLM 0.32.0, CompressorStateCache)."""
+    from tessera_ray.layout import preset_layout
+
+    flash = preset_layout("deepseek-v4-flash", format="v4-model1")
+    swa = 43 * 127 * 584
+    csa = 21 * 7 * (2 * 2 * 512 + 2 * 2 * 128) * 4
+    hca = 20 * 127 * 2 * 512 * 4
+    assert flash.resume_bytes == swa + csa + hca == 15_098_344
+    # The paper payload keeps only the windows (576 B entries), no compressor state.
+    assert preset_layout("deepseek-v4-flash", format="v4-paper").resume_bytes == 43 * 127 * 576
+    # Models without windows have no record.
+    assert preset_layout("deepseek-v3").resume_bytes == 0

@@ -384,3 +384,60 @@ def test_a_tier_of_another_entry_with_the_same_bytes_is_refused() -> None:
     with pytest.raises(LayoutError, match=r"288 fp16 k .* 288 bf16 k"):
         _check_engine(fp16, build_layout(full), 16, None)
     _check_engine(build_layout(full), build_layout(full), 16, None)  # the same: accepted
+
+
+def test_the_hybrid_kv_cache_manager_stays_on(model_dir: Path, extra: dict[str, Any]) -> None:
+    """The connector is ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on (models such
+    as DeepSeek-V4 cannot start without it), and a finished request reaches the connector
+    through ``request_finished_all_groups`` with its tier count."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from tessera_ray.vllm.connector import TIER_TOKENS_PARAM
+
+    config = vllm_config(model_dir, extra)
+    assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    engine = _store(model_dir, extra, prompt(2 * BLOCK + 5))
+    request = engine.scheduler.requests["A"]
+    ids = engine.scheduler.kv_cache_manager.get_block_ids("A")
+    assert engine.connector.request_finished_all_groups(request, ids) == (
+        False,
+        {TIER_TOKENS_PARAM: 0},
+    )
+
+
+def test_a_cache_group_the_connector_cannot_store_is_refused_naming_it() -> None:
+    """With the hybrid manager on every group reaches the connector: one group of MLA pages is
+    stored as before, MLA beside sliding windows as a hybrid model; a lone sliding-window group
+    or a kind it does not store is refused at start, naming the group."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    from tessera_ray.vllm.adapter import engine_groups
+    from tessera_ray.vllm.hybrid import EngineGroup
+
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=128
+    )
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, attention_chunk_size=64
+    )
+    layers = [f"model.layers.{i}.attn" for i in range(5)]
+    assert engine_groups(KVCacheConfig(8, [], [KVCacheGroupSpec(layers, mla)])) == [EngineGroup(64)]
+    hybrid = [KVCacheGroupSpec(layers[:1], mla), KVCacheGroupSpec(layers, window)]
+    assert engine_groups(KVCacheConfig(8, [], hybrid)) == [EngineGroup(64), EngineGroup(16, 128)]
+    with pytest.raises(LayoutError, match=r"group 0 of 1 \(SlidingWindowSpec, 16-token blocks"):
+        engine_groups(KVCacheConfig(8, [], [KVCacheGroupSpec(layers, window)]))
+    with pytest.raises(
+        LayoutError,
+        match=r"group 1 of 2 \(ChunkedLocalAttentionSpec, 16-token blocks, layers "
+        r"model.layers.0.attn, model.layers.1.attn, model.layers.2.attn, \.\.\.\)",
+    ):
+        engine_groups(KVCacheConfig(8, [], [hybrid[0], KVCacheGroupSpec(layers, chunked)]))
