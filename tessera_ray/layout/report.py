@@ -186,7 +186,12 @@ def render_layout(
     for s, ls in layout.windows:
         lines.append(
             f"  {s.label()} x {len(ls)} layers: {s.entry.describe()} = {_per(s)}, "
-            f"per-request ring of {s.window_tokens} tokens (not paged)"
+            f"a window of {s.window_tokens} tokens (not paged)"
+        )
+    if layout.windows:
+        lines.append(
+            f"  resume record (the windows where a stored prefix ends): "
+            f"{layout.resume_bytes:,} B"
         )
     if engine is not None:
         lines.extend(_render_engine(engine))

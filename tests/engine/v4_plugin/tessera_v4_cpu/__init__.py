@@ -9,24 +9,21 @@ workers), so what :func:`register` installs reaches the processes that build and
   :mod:`tessera_v4_cpu.patches`: building the first V4 attention layer applies them (torch
   stand-ins for the V4 metadata kernels and, where vLLM's library lacks them, its C++
   kernels; the ``build_tile_scheduler`` fix). vLLM imports that module in every CPU worker,
-  but builds its layers only for a V4 model: serving any other, nothing is changed;
-* with ``TESSERA_V4_FORCE_PREFIX_CACHING=1``, :mod:`tessera_v4_cpu.prefix_caching`: vLLM's CPU
-  platform then keeps the prefix caching the engine was configured with, instead of turning it
-  off for MLA-style models on CPUs without AMX.
+  but builds its layers only for a V4 model: serving any other, nothing is changed.
+
+A reference engine that needs vLLM's own prefix caching on this CPU turns it back on itself
+(``tests/engine/_run_engine.py``, ``force_prefix_caching``), as for the MLA models.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-__all__ = ["FORCE_PREFIX_CACHING_ENV", "register"]
-
-FORCE_PREFIX_CACHING_ENV = "TESSERA_V4_FORCE_PREFIX_CACHING"
+__all__ = ["register"]
 
 
 def register() -> None:
@@ -34,10 +31,6 @@ def register() -> None:
     in a process; each step is idempotent."""
     from tessera_v4_cpu import patches
 
-    if os.environ.get(FORCE_PREFIX_CACHING_ENV) == "1":
-        from tessera_v4_cpu import prefix_caching
-
-        prefix_caching.keep_configured_prefix_caching()
     if patches.TRIGGER_MODULE in sys.modules:
         patches.arm()
     elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
