@@ -190,8 +190,7 @@ def render_layout(
         )
     if layout.windows:
         lines.append(
-            f"  resume record (the windows where a stored prefix ends): "
-            f"{layout.resume_bytes:,} B"
+            f"  resume record (the windows where a stored prefix ends): {layout.resume_bytes:,} B"
         )
     if engine is not None:
         lines.extend(_render_engine(engine))
