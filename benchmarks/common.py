@@ -103,6 +103,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     ),
     "kernels": ("tessera_ray/kernels", "tessera_ray/layout", "tessera_ray/core"),
     "engine": _ENGINE,
+    "engine_v4": (*_ENGINE, "benchmarks/bench_engine.py", "tests/engine/v4_plugin"),
     "serve": (
         *_ENGINE,
         "tessera_ray/demo",

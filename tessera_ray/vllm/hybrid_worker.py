@@ -20,6 +20,7 @@ for it), so the copy runs on the reader thread. Saves read the caches after the 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -231,6 +232,13 @@ class HybridMover:
                 self._loads[load.req_id] = self._reader.submit(self._load, load)
 
     def _load(self, load: BlockLoad) -> bool:
+        started = time.perf_counter()
+        try:
+            return self._read_into_caches(load)
+        finally:
+            self.counters.add(load_s=time.perf_counter() - started)
+
+    def _read_into_caches(self, load: BlockLoad) -> bool:
         keys = [*load.token_keys, *load.resume_keys]
         hits = [*load.hits, *load.resume_hits]
         try:

@@ -45,7 +45,10 @@ class _Counts:
     """Of those, the blocks copied out of this node's pool's memory mapped in this process
     (the rest came over NIXL or in a Ray call's payload)."""
     failed_blocks: int = 0
-    """Engine blocks whose load failed (vLLM recomputes them)."""
+    """Engine blocks whose load failed (vLLM recomputes them); for a hybrid model, requests."""
+    load_s: float = 0.0
+    """Wall time of hybrid loads (read, verify, copy into vLLM's caches), off the forward path:
+    the request waits for them instead."""
     saved_blocks: int = 0
     store_s: float = 0.0
     """Wall time of the background stores (off the forward path)."""
