@@ -198,6 +198,12 @@ def write_tiny_v4(root: Path, seed: int = 0, max_positions: int | None = None) -
     config = dict(TINY_V4_CONFIG)
     if max_positions is not None:
         config["max_position_embeddings"] = max_positions
+        # YaRN's rotary table covers factor x original positions: stretch it to cover them all.
+        rope = dict(config["rope_scaling"])
+        rope["original_max_position_embeddings"] = max(
+            rope["original_max_position_embeddings"], -(-max_positions // rope["factor"])
+        )
+        config["rope_scaling"] = rope
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return write_tokenizer(root, seed)
 

@@ -92,9 +92,14 @@ def ray_cluster() -> Iterator[None]:
         "ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--disable-usage-stats",
         "--num-cpus", "8",
     )  # fmt: skip
+    # Named, not found: a Ray started beside this one on the machine becomes the "latest"
+    # cluster that a bare connection finds.
+    os.environ["RAY_ADDRESS"] = "127.0.0.1:6379"
     try:
         yield
     finally:
         run("ray", "stop", "--force", check=False)
         if env_before is not None:
             os.environ["RAY_ADDRESS"] = env_before
+        else:
+            os.environ.pop("RAY_ADDRESS", None)
