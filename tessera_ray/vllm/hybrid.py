@@ -110,8 +110,12 @@ class HybridPlanner(SchedulerPlanner):
         self._failed_loads: set[str] = set()
 
     def _resume(self, tracked: TrackedRequest, boundary: TokenKey) -> list[TokenKey]:
-        chunks = self.resume_chunks
-        return resume_keys(tracked.namespace, self._resume_fingerprint, boundary, chunks)
+        keys = tracked.resume.get(boundary)
+        if keys is None:
+            chunks = self.resume_chunks
+            keys = resume_keys(tracked.namespace, self._resume_fingerprint, boundary, chunks)
+            tracked.resume[boundary] = keys
+        return keys
 
     # ---------------------------------------------------------------- lookups
 

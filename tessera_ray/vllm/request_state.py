@@ -82,6 +82,9 @@ class TrackedRequest:
     block_ids: list[int] = field(default_factory=list)
     groups: list[list[int]] = field(default_factory=list)
     """A hybrid model: every KV cache group's block ids, in position order."""
+    resume: dict[TokenKey, list[TokenKey]] = field(default_factory=dict)
+    """A hybrid model: the record chunk keys derived so far, by boundary key (a lookup asks
+    again every step it waits)."""
     known_blocks: int = 0
     """Leading tier blocks the tier holds or that were already handed to a worker to save."""
     lookup: PendingLookup | None = None
