@@ -387,16 +387,15 @@ def test_a_tier_of_another_entry_with_the_same_bytes_is_refused() -> None:
 
 
 def test_the_hybrid_kv_cache_manager_stays_on(model_dir: Path, extra: dict[str, Any]) -> None:
-    """The connector is ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on (models such
-    as DeepSeek-V4 cannot start without it), and a finished request reaches the connector
-    through ``request_finished_all_groups`` with its tier count."""
+    """The connector is ``SupportsHMA``: vLLM does not turn its hybrid KV-cache manager off for
+    it (models such as DeepSeek-V4 cannot start without it), and a finished request reaches the
+    connector through ``request_finished_all_groups`` with its tier count."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from tessera_ray.vllm.connector import TIER_TOKENS_PARAM
 
     config = vllm_config(model_dir, extra)
     assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
-    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
     engine = _store(model_dir, extra, prompt(2 * BLOCK + 5))
     request = engine.scheduler.requests["A"]
     ids = engine.scheduler.kv_cache_manager.get_block_ids("A")
