@@ -4,8 +4,13 @@ imported lazily, so other subcommands stay fast)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from tessera_ray._loopback import keep_ray_on_loopback
 from tessera_ray.serve.llm import ROUTERS
@@ -13,40 +18,96 @@ from tessera_ray.serve.llm import ROUTERS
 __all__ = ["add_demo_command"]
 
 
+# The engine demo's fleet: more agents and documents than each replica's own KV cache holds
+# (ENGINE_CACHE_TOKENS), and pools that spill to their disk tiers, so reuse has to come from
+# the tier; see docs/engine-demo.md.
+ENGINE_FLEET = {
+    "num_agents": 24,
+    "num_documents": 6,
+    "num_rounds": 3,
+    "system_blocks": 1,
+    "document_blocks": 2,
+}
+ENGINE_MAX_LEN = 4096
+# vLLM's least: one prompt of the longest length, plus a block for its null block.
+ENGINE_CACHE_TOKENS = ENGINE_MAX_LEN + 256
+ENGINE_POOL_BLOCKS = 192  # tier blocks of 64 tokens per pool, with a disk tier below
+ENGINE_MAX_TOKEN_GAP = 2048  # prompt tokens: a busy holder's agents move to the other replica
+
+
+@contextlib.contextmanager
+def _logs_to(path: Path | None) -> Iterator[TextIO]:
+    """Everything this process and the ones it starts print (Ray, Serve, vLLM) goes to
+    ``path``; the demo's own lines go to the stream yielded (the terminal). ``None``: no
+    redirection."""
+    if path is None:
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        yield terminal
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, log):
+            os.close(fd)
+        terminal.close()
+
+
 def _cmd_engine_demo(ns: argparse.Namespace, config: object) -> int:
-    """The fleet on real vLLM engines behind Ray Serve LLM (``--engine vllm``)."""
-    from tessera_ray.demo.endpoint import (
-        plot_rounds,
-        render_rounds,
-        render_router_choices,
-        rounds_from_json,
-    )
-    from tessera_ray.demo.serve_demo import EngineDemoConfig, run_engine_demo
+    """The fleet on real vLLM engines behind Ray Serve LLM (``--engine vllm``), without and
+    with the tier."""
+    from tessera_ray.demo.endpoint import render_comparison, render_router_choices
+    from tessera_ray.demo.serve_demo import EngineDemoConfig, run_tier_comparison
     from tessera_ray.demo.workload import DemoConfig
 
     assert isinstance(config, DemoConfig)
-    report = run_engine_demo(
-        EngineDemoConfig(
-            fleet=config,
-            model_kind=ns.model_kind,
-            num_nodes=ns.nodes,
-            device=ns.device,
-            router=ns.router,
-        )
+    log_path = None if ns.verbose else Path(ns.log).resolve()
+    engine = EngineDemoConfig(
+        fleet=config,
+        model_kind=ns.model_kind,
+        num_nodes=ns.nodes,
+        device=ns.device,
+        router=ns.router,
+        num_blocks=ENGINE_POOL_BLOCKS,
+        disk=True,
+        engine_cache_tokens=ENGINE_CACHE_TOKENS,
+        max_model_len=ENGINE_MAX_LEN,
+        router_settings={"max_token_gap": ENGINE_MAX_TOKEN_GAP},
     )
     print(
-        f"{report['model']}: {report['replicas']} vLLM replicas behind Ray Serve LLM "
-        f"({report['router']} router), up in {report['start_s']:.0f} s"
+        f"{config.num_agents} agents, {config.num_documents} shared documents, "
+        f"{config.num_rounds} rounds on {ns.nodes} vLLM replicas (tiny-{ns.model_kind}, "
+        f"{ENGINE_CACHE_TOKENS:,} tokens of KV cache each) behind Ray Serve LLM "
+        f"({ns.router} router); the same fleet without, then with the tier (a pool of "
+        f"{ENGINE_POOL_BLOCKS} tier blocks and a disk tier per node)",
+        flush=True,
     )
-    rounds = rounds_from_json(report)
-    print(render_rounds(rounds))
-    if "router_choices" in report:
-        print(render_router_choices(report["router_choices"]))
+    if log_path is not None:
+        print(f"Ray, Serve and vLLM logs: {log_path} (--verbose shows them here)", flush=True)
+    with _logs_to(log_path) as out:
+        report = run_tier_comparison(engine, say=lambda line: print(line, file=out))
+    print(render_comparison(report["comparison"]))
+    for label in ("tier_off", "tier_on"):
+        choices = report[label].get("router_choices")
+        if choices is not None:
+            print(f"{label.replace('_', ' ')}: {render_router_choices(choices)}")
+    report["log"] = str(log_path) if log_path is not None else None
     if ns.report is not None:
         Path(ns.report).write_text(json.dumps(report, indent=1))
         print(f"report: {ns.report}")
     if ns.plot is not None:
-        plot_rounds(rounds, Path(ns.plot))
+        from tessera_ray.demo.endpoint import plot_rounds, rounds_from_json
+
+        plot_rounds(rounds_from_json(report["tier_on"]), Path(ns.plot))
         print(f"plot: {ns.plot}")
     return 0
 
@@ -62,9 +123,10 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
         from tessera_ray._plot import pyplot
 
         pyplot()  # a missing plot extra is refused before the run, not after it
+    sizes: dict[str, int] = ENGINE_FLEET if ns.engine == "vllm" else {}
+    asked = {"num_agents": ns.agents, "num_rounds": ns.rounds}
     config = DemoConfig(
-        num_agents=ns.agents,
-        num_rounds=ns.rounds,
+        **{**sizes, **{k: v for k, v in asked.items() if v is not None}},
         parity_every=ns.parity_every,
         seed=ns.seed,
         ray_namespace=ns.ray_namespace,
@@ -90,8 +152,10 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "tier in a temporary folder), run an agent fleet with real forward passes, and print "
         "what the tier served, stored, moved and spilled.",
     )
-    demo.add_argument("--agents", type=int, default=16, help="agents in the fleet (default 16)")
-    demo.add_argument("--rounds", type=int, default=3, help="turns per agent (default 3)")
+    demo.add_argument(
+        "--agents", type=int, default=None, help="agents in the fleet (default 16; vllm: 24)"
+    )
+    demo.add_argument("--rounds", type=int, default=None, help="turns per agent (default 3)")
     demo.add_argument(
         "--parity-every", type=int, default=2, help="check decode parity every n-th request"
     )
@@ -121,5 +185,13 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         choices=sorted(ROUTERS),
         default="tessera",
         help="--engine vllm: Serve's request router (default: the tier-aware one)",
+    )
+    demo.add_argument(
+        "--log",
+        default="demo_engine.log",
+        help="--engine vllm: where Ray's, Serve's and vLLM's output goes (default demo_engine.log)",
+    )
+    demo.add_argument(
+        "--verbose", action="store_true", help="--engine vllm: show that output here instead"
     )
     demo.set_defaults(handler=_cmd_demo)

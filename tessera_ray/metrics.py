@@ -162,6 +162,9 @@ METRICS: tuple[MetricSpec, ...] = (
                description="Replicas a directory shard lists"),
     MetricSpec(name="tessera_route_requests", kind=_C, tag_keys=_ROUTE,
                description="Requests a tier-aware router routed, by why it chose the replica"),
+    MetricSpec(name="tessera_route_held_blocks", kind=_C, tag_keys=_ROUTE,
+               description="Leading tier blocks of each request held by the chosen replica's "
+               "pool, summed by why the router chose it (divide by tessera_route_requests)"),
     MetricSpec(name="tessera_route_local_blocks", kind=_H, tag_keys=_ROUTE[:2],
                buckets=_BLOCK_BUCKETS,
                description="Leading tier blocks of a request held by the chosen replica's pool"),

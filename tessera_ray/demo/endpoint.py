@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,8 @@ import torch
 
 from tessera_ray.demo.workload import DemoConfig, Fleet, Request
 from tessera_ray.models.hf_tiny import TOKENIZER_WORDS
-from tessera_ray.vllm.scheduler import TIER_TOKENS_PARAM
+from tessera_ray.vllm.backend import SOURCES
+from tessera_ray.vllm.scheduler import TIER_SOURCES_PARAM, TIER_TOKENS_PARAM
 
 __all__ = [
     "TurnResult",
@@ -31,6 +32,9 @@ __all__ = [
     "summarize",
     "render_rounds",
     "render_router_choices",
+    "render_round",
+    "render_comparison",
+    "compare",
     "as_json",
     "rounds_from_json",
     "plot_rounds",
@@ -53,6 +57,9 @@ class TurnResult:
     tier_tokens: int
     """Of those, the ones the tier supplied."""
     first_token_s: float
+    tier_sources: dict[str, int] = field(default_factory=dict)
+    """``tier_tokens`` by where the tier read them (``local``: the replica's node's pool,
+    ``remote``: another node's pool, ``disk``), as the connector reported them."""
 
     @property
     def computed_tokens(self) -> int:
@@ -68,6 +75,11 @@ class RoundSummary:
     tier_tokens: int
     first_token_p50_s: float
     first_token_p99_s: float
+    vllm_cache_tokens: int = 0
+    """Prompt tokens vLLM's own prefix cache held (neither computed nor from the tier)."""
+    tier_local: int = 0
+    tier_remote: int = 0
+    tier_disk: int = 0
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -97,6 +109,7 @@ def _turn(client: Any, model: str, request: Request, salt: str | None) -> TurnRe
     elapsed = time.perf_counter() - t0
     details = r.usage.prompt_tokens_details
     params = getattr(r, "kv_transfer_params", None) or {}
+    sources = params.get(TIER_SOURCES_PARAM) or {}
     return TurnResult(
         index=request.index,
         round=request.round,
@@ -105,6 +118,7 @@ def _turn(client: Any, model: str, request: Request, salt: str | None) -> TurnRe
         cached_tokens=(details.cached_tokens or 0) if details is not None else 0,
         tier_tokens=int(params.get(TIER_TOKENS_PARAM, 0)),
         first_token_s=elapsed,
+        tier_sources={k: int(sources.get(k, 0)) for k in SOURCES},
     )
 
 
@@ -116,11 +130,13 @@ def run_fleet(
     vocab_size: int,
     concurrency: int = 4,
     salt: str | None = None,
+    on_round: Callable[[list[TurnResult]], None] | None = None,
 ) -> list[TurnResult]:
     """Every turn of the fleet ``config`` describes, through ``client`` (an ``openai.OpenAI``).
     Rounds run in order (a conversation grows by one question a round); the turns of a round
     run ``concurrency`` at a time. ``salt``: the ``cache_salt`` of every turn (a fresh one makes
-    a run independent of what earlier runs left in the tier and in vLLM's caches)."""
+    a run independent of what earlier runs left in the tier and in vLLM's caches).
+    ``on_round``: called with each round's turns once it ended."""
     # Block size only shapes the prompts (64-token blocks of the tier); pools are the router's.
     fleet = Fleet(config, vocab_size=vocab_size, block_tokens=64, num_pools=1)
     requests = fleet.requests()
@@ -128,7 +144,10 @@ def run_fleet(
     with ThreadPoolExecutor(concurrency) as pool:
         for r in range(config.num_rounds):
             turns = [q for q in requests if q.round == r]
-            out += pool.map(lambda q: _turn(client, model, q, salt), turns)
+            done = list(pool.map(lambda q: _turn(client, model, q, salt), turns))
+            out += done
+            if on_round is not None:
+                on_round(done)
     return out
 
 
@@ -174,6 +193,10 @@ def summarize(results: Sequence[TurnResult]) -> list[RoundSummary]:
                 tier_tokens=sum(r.tier_tokens for r in these),
                 first_token_p50_s=statistics.median(times),
                 first_token_p99_s=quantile(times, 0.99),
+                vllm_cache_tokens=sum(r.cached_tokens - r.tier_tokens for r in these),
+                tier_local=sum(r.tier_sources.get("local", 0) for r in these),
+                tier_remote=sum(r.tier_sources.get("remote", 0) for r in these),
+                tier_disk=sum(r.tier_sources.get("disk", 0) for r in these),
             )
         )
     return out
@@ -194,17 +217,98 @@ def render_rounds(rounds: Sequence[RoundSummary]) -> str:
     return "\n".join(lines)
 
 
+def render_round(label: str, s: RoundSummary) -> str:
+    """One round on one line: where its prompt tokens came from, and first-token time."""
+    return (
+        f"{label} round {s.round}: prompt {s.prompt_tokens:,} = computed {s.computed_tokens:,}"
+        f" + vLLM cache {s.vllm_cache_tokens:,} + tier {s.tier_tokens:,} (local "
+        f"{s.tier_local:,}, remote {s.tier_remote:,}, disk {s.tier_disk:,}); "
+        f"ttft p50 {s.first_token_p50_s * 1e3:.0f} ms"
+    )
+
+
+def _split(turns: Sequence[TurnResult]) -> dict[str, Any]:
+    tier = sum(t.tier_tokens for t in turns)
+    return {
+        "turns": len(turns),
+        "prompt_tokens": sum(t.prompt_tokens for t in turns),
+        "computed_tokens": sum(t.computed_tokens for t in turns),
+        "vllm_cache_tokens": sum(t.cached_tokens for t in turns) - tier,
+        "tier_tokens": tier,
+        **{f"tier_{k}": sum(t.tier_sources.get(k, 0) for t in turns) for k in SOURCES},
+        "first_token_p50_s": statistics.median(t.first_token_s for t in turns) if turns else 0.0,
+    }
+
+
+TIER_SHARE_TARGET = 0.25
+"""Of the prompt tokens not computed after the first round, the share the tier must supply
+(issue 44's acceptance)."""
+
+
+def compare(off: Sequence[TurnResult], on: Sequence[TurnResult]) -> dict[str, Any]:
+    """The same fleet without and with the tier, over the rounds after the first (the first is
+    cold in both): each run's split of the prompt tokens, the tier's share of the tokens not
+    computed, and whether the tier computed fewer."""
+    later_off = [t for t in off if t.round > 0]
+    later_on = [t for t in on if t.round > 0]
+    a, b = _split(later_off), _split(later_on)
+    reused = b["prompt_tokens"] - b["computed_tokens"]
+    share = b["tier_tokens"] / reused if reused else 0.0
+    return {
+        "rounds": sorted({t.round for t in later_on}),
+        "tier_off": a,
+        "tier_on": b,
+        "tier_share_of_reused": share,
+        "tier_share_target": TIER_SHARE_TARGET,
+        "computed_saved": a["computed_tokens"] - b["computed_tokens"],
+        "tier_share_met": share >= TIER_SHARE_TARGET,
+        "fewer_computed": b["computed_tokens"] < a["computed_tokens"],
+    }
+
+
+def render_comparison(c: dict[str, Any]) -> str:
+    """The tier-off / tier-on table and its verdict (every number from :func:`compare`)."""
+    rounds = c["rounds"]
+    span = f"rounds {rounds[0]}-{rounds[-1]}" if len(rounds) > 1 else f"round {rounds[0]}"
+    lines = [
+        f"{span} (round 0 is cold in both):",
+        f"{'':9}{'prompt':>9}{'computed':>10}{'vLLM cache':>12}{'tier':>9}"
+        f"{'local':>9}{'remote':>8}{'disk':>7}{'ttft p50':>10}",
+    ]
+    for label in ("tier_off", "tier_on"):
+        r = c[label]
+        lines.append(
+            f"{label.replace('_', ' '):9}{r['prompt_tokens']:>9,}{r['computed_tokens']:>10,}"
+            f"{r['vllm_cache_tokens']:>12,}{r['tier_tokens']:>9,}{r['tier_local']:>9,}"
+            f"{r['tier_remote']:>8,}{r['tier_disk']:>7,}{r['first_token_p50_s'] * 1e3:>7.0f} ms"
+        )
+    off, on = c["tier_off"]["computed_tokens"], c["tier_on"]["computed_tokens"]
+    saved = f"{c['computed_saved'] / off:.0%}" if off else "n/a"
+    lines.append(
+        f"with the tier: {c['tier_share_of_reused']:.0%} of the prompt tokens not computed came "
+        f"from the tier (target {c['tier_share_target']:.0%}: "
+        f"{'met' if c['tier_share_met'] else 'MISSED'}); computed {on:,} prompt tokens "
+        f"instead of {off:,} ({saved} fewer)"
+    )
+    return "\n".join(lines)
+
+
 def render_router_choices(choices: dict[str, Any]) -> str:
     """One line: the tier-aware router's requests per reason (``tier``: the directory placed
     the prefix; ``routed``: the router's memory of where it sent it did; ``balanced``: no
-    replica held any of it; ``fallback``: the tier did not answer) and local blocks per choice."""
+    replica held any of it; ``fallback``: the tier did not answer), and for the first two the
+    leading blocks the chosen replica's pool held, per request (the router's own count)."""
     reasons = [k for k in ("tier", "routed", "balanced", "fallback") if k in choices]
-    counts = ", ".join(f"{k} {int(choices[k])}" for k in reasons)
+    held = choices.get("held_blocks", {})
+    parts = []
+    for k in reasons:
+        n = int(choices[k])
+        part = f"{k} {n}"
+        if k in ("tier", "routed") and n:
+            part += f" ({held.get(k, 0) / n:.1f} blocks held each)"
+        parts.append(part)
     routed = sum(int(choices[k]) for k in reasons)
-    return (
-        f"router: {routed} requests ({counts}); "
-        f"{float(choices.get('local_blocks_mean', 0.0)):.1f} local blocks per choice"
-    )
+    return f"router: {routed} requests: " + ", ".join(parts)
 
 
 def as_json(results: Sequence[TurnResult]) -> dict[str, Any]:

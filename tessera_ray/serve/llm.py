@@ -82,6 +82,9 @@ class ServeLLMSettings:
     directory says so (0: only the directory counts)."""
     timeout_s: float = 30.0
     """The connector's bound on one tier call."""
+    connector: bool = True
+    """False: the engines run without the tier's connector (vLLM's own caches only), behind
+    the same router: the baseline a tier's worth is measured against."""
     bundle_per_worker: dict[str, float] = field(default_factory=dict)
     """Ray resources of each replica's engine worker (its placement group bundle), e.g. a
     custom resource every node has one of, for one replica per node; empty: Ray's default."""
@@ -170,18 +173,19 @@ class ServeLLMSettings:
 
     def llm_config_dict(self) -> dict[str, Any]:
         """The ``LLMConfig`` fields (plain data: tests read it without Ray's LLM library)."""
-        engine_kwargs = {
+        engine_kwargs: dict[str, Any] = {
             # vLLM's count of cached prompt tokens in each response's usage.
             "enable_prompt_tokens_details": True,
             **self.engine_kwargs,
-            "kv_transfer_config": {
+        }
+        if self.connector:
+            engine_kwargs["kv_transfer_config"] = {
                 "kv_connector": "TesseraConnector",
                 "kv_connector_module_path": "tessera_ray.vllm.connector",
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": self.connector_config(),
-            },
-        }
+            }
         config: dict[str, Any] = {
             "model_loading_config": {
                 "model_id": self.served_name,

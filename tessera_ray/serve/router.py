@@ -310,6 +310,9 @@ class TesseraRequestRouter(RequestRouter):
         }
         try:
             self._metrics.inc("tessera_route_requests", 1, tags)
+            # Counted with the reason, beside the request: blocks per tier choice is then one
+            # ratio of two counters that the same scrape carries.
+            self._metrics.inc("tessera_route_held_blocks", choice.local_blocks, tags)
             if choice.reason is not RouteReason.FALLBACK:
                 del tags["reason"]
                 self._metrics.observe("tessera_route_local_blocks", choice.local_blocks, tags)

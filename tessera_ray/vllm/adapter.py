@@ -41,7 +41,6 @@ from tessera_ray.vllm.hybrid import EngineGroup, HybridPlanner
 from tessera_ray.vllm.hybrid_worker import HybridMover, resume_chunks
 from tessera_ray.vllm.records import CachedScheduled, NewScheduled, StepPlan
 from tessera_ray.vllm.scheduler import (
-    TIER_TOKENS_PARAM,
     SchedulerPlanner,
     check_block_sizes,
     check_paged_layout,
@@ -372,6 +371,7 @@ class TesseraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,un
             "lookup_timeout_s": self.config.timeout_s,
             "store_wait_s": self.config.store_wait_s,
             "counters": self.counters,
+            "local_pool": self.tier.local_pool,
         }
 
     def _mover_args(self, transfer: Any) -> dict[str, Any]:
@@ -487,8 +487,7 @@ class TesseraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,un
         # tier store runs later from that copy), so vLLM may free the blocks at once. The
         # params reach the client (the OpenAI response's ``kv_transfer_params``): how much of
         # this prompt the tier supplied, beside vLLM's own count of cached tokens.
-        tier_tokens = self._planner().finished(request.request_id)
-        return False, {TIER_TOKENS_PARAM: tier_tokens}
+        return False, self._planner().finished(request.request_id).params()
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tessera_ray.actors.directory import Holder, LookupResult
+from tessera_ray.actors.directory import Holder, LookupResult, Tier
 from tessera_ray.actors.messages import BlockCheck, BlockReads
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import (
@@ -33,6 +33,8 @@ __all__ = [
     "TierHit",
     "TierUnavailableError",
     "hit_of",
+    "hit_source",
+    "SOURCES",
     "tier_call",
     "TIER_FAILURES",
 ]
@@ -73,6 +75,21 @@ def hit_of(result: LookupResult) -> TierHit:
     return TierHit(result.block_hash, Holder.of(result))
 
 
+SOURCES = ("local", "remote", "disk")
+"""Where a loaded block came from: this node's pool's memory, another pool's memory, a disk
+tier (the split a finished request reports, beside its count of tier tokens)."""
+
+
+def hit_source(hit: TierHit, local_pool: str | None) -> str:
+    """The :data:`SOURCES` entry of ``hit`` as the engine on ``local_pool``'s node reads it (a
+    one-process backend lists no holders: its blocks are local)."""
+    if not hit.holders or any(h == (local_pool, Tier.MEMORY) for h in hit.holders):
+        return "local"
+    if any(h.tier == Tier.MEMORY for h in hit.holders):
+        return "remote"
+    return "disk"
+
+
 class TierBackend(abc.ABC):
     """What the connector needs of the tier; every method is one batched call.
 
@@ -83,6 +100,8 @@ class TierBackend(abc.ABC):
     """The layout the tier stores pages in (token keys and hashes carry its fingerprint)."""
     timeout_s: float
     """Longest one batched call may take."""
+    local_pool: str | None = None
+    """The pool this engine's node reads through (``None``: the backend has no pools)."""
 
     @abc.abstractmethod
     def lookup_async(

@@ -12,7 +12,9 @@ vLLM loads it by module path::
     }
 
 Each finished request's ``kv_transfer_params`` (returned in vLLM's OpenAI responses) carries
-``{TIER_TOKENS_PARAM: n}``: the prompt tokens the tier supplied to it.
+``{TIER_TOKENS_PARAM: n, TIER_SOURCES_PARAM: {"local": a, "remote": b, "disk": c}}``: the
+prompt tokens the tier supplied to it, and where it read them (this node's pool, another
+node's pool, a disk tier).
 
 ``kv_connector_extra_config`` is parsed into :class:`TesseraConnectorConfig` (unknown keys and
 wrong types are refused). This module imports without vLLM: ``TesseraConnector`` and
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from tessera_ray.vllm.config import BACKEND_KINDS, TesseraConnectorConfig
 from tessera_ray.vllm.keys import tenant_namespace
 from tessera_ray.vllm.records import BlockLoad, BlockSave, StepPlan, TokenRows
-from tessera_ray.vllm.scheduler import TIER_TOKENS_PARAM
+from tessera_ray.vllm.scheduler import TIER_SOURCES_PARAM, TIER_TOKENS_PARAM
 
 if TYPE_CHECKING:
     from tessera_ray.vllm.adapter import TesseraConnector, TesseraConnectorMetadata
@@ -44,6 +46,7 @@ __all__ = [
     "TokenRows",
     "tenant_namespace",
     "TIER_TOKENS_PARAM",
+    "TIER_SOURCES_PARAM",
 ]
 
 _NEEDS_VLLM = ("TesseraConnector", "TesseraConnectorMetadata")

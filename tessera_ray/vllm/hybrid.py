@@ -34,7 +34,12 @@ from tessera_ray.vllm.request_state import (
     TierLookup,
     TrackedRequest,
 )
-from tessera_ray.vllm.scheduler import SchedulerPlanner, check_block_sizes, leading_hits
+from tessera_ray.vllm.scheduler import (
+    SchedulerPlanner,
+    TierSupply,
+    check_block_sizes,
+    leading_hits,
+)
 
 __all__ = ["EngineGroup", "HybridPlanner", "NULL_BLOCK", "resume_keys"]
 
@@ -201,6 +206,7 @@ class HybridPlanner(SchedulerPlanner):
         )
         tracked.known_blocks = max(tracked.known_blocks, match.first + len(match.keys))
         tracked.tier_tokens = num_external_tokens
+        self.note_sources(tracked, match.first, start, match.hits)
 
     def loads_failed(self, req_ids: set[str]) -> None:
         """Workers could not load these requests: vLLM computes them from the start, and this
@@ -212,7 +218,7 @@ class HybridPlanner(SchedulerPlanner):
                 tracked.tier_tokens = 0
                 self._failed_loads.add(req_id)
 
-    def finished(self, req_id: str) -> int:
+    def finished(self, req_id: str) -> TierSupply:
         self._failed_loads.discard(req_id)
         return super().finished(req_id)
 

@@ -63,6 +63,7 @@ class RayTier(TierBackend):
         else:
             self.pool = self.client.local_pool()
         self.link = self.client.pool_link(self.pool)
+        self.local_pool = self.pool
         self._here = (Holder(self.pool, Tier.MEMORY),)
         self._staging_bytes = config.nixl_staging_bytes
         self._reader: PoolReader | None = None

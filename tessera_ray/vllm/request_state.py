@@ -96,3 +96,7 @@ class TrackedRequest:
     """Where the last load wrote, to map a failed engine block back to a tier block."""
     tier_tokens: int = 0
     """Prompt tokens the last load took from the tier, less any that failed to load."""
+    sources: list[str] = field(default_factory=list)
+    """Per tier block of the last load, where the tier held it (``SOURCES``)."""
+    sources_from: tuple[int, int] = (0, 0)
+    """The first of those tier blocks, and the position the load started at."""

@@ -34,13 +34,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tessera_ray.core import token_key
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
-from tessera_ray.vllm.backend import TierHit
+from tessera_ray.vllm.backend import SOURCES, TierHit, hit_source
 from tessera_ray.vllm.keys import (
     ExtraKeysFn,
     key_fingerprint,
@@ -64,13 +64,37 @@ from tessera_ray.vllm.request_state import (
 )
 from tessera_ray.vllm.stats import ConnectorCounters
 
-__all__ = ["SchedulerPlanner", "check_paged_layout", "check_block_sizes", "TIER_TOKENS_PARAM"]
+__all__ = [
+    "SchedulerPlanner",
+    "TierSupply",
+    "check_paged_layout",
+    "check_block_sizes",
+    "TIER_TOKENS_PARAM",
+    "TIER_SOURCES_PARAM",
+]
 
 TIER_TOKENS_PARAM = "tessera_tier_tokens"
 """The key of a finished request's ``kv_transfer_params`` (the OpenAI response's field of that
 name) that counts the prompt tokens the tier supplied to it."""
 
+TIER_SOURCES_PARAM = "tessera_tier_sources"
+"""Beside it: those tokens by where the tier read them (:data:`~tessera_ray.vllm.backend.SOURCES`:
+this node's pool's memory, another pool's memory, a disk tier)."""
+
 log = logging.getLogger(__name__)
+
+
+class TierSupply(NamedTuple):
+    """What the tier supplied to one finished request's prompt."""
+
+    tokens: int
+    sources: dict[str, int]
+    """``tokens`` by :data:`~tessera_ray.vllm.backend.SOURCES` entry."""
+
+    def params(self) -> dict[str, Any]:
+        """The request's ``kv_transfer_params``."""
+        return {TIER_TOKENS_PARAM: self.tokens, TIER_SOURCES_PARAM: dict(self.sources)}
+
 
 _RELOOK_S = 0.01  # between lookups of a request waiting on this engine's own stores
 
@@ -133,8 +157,10 @@ class SchedulerPlanner:
         store_wait_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         counters: ConnectorCounters | None = None,
+        local_pool: str | None = None,
     ) -> None:
         check_block_sizes(layout.block_tokens, block_tokens)
+        self.local_pool = local_pool
         self.tier = tier
         self.layout = layout
         self.namespace = namespace
@@ -336,6 +362,14 @@ class SchedulerPlanner:
         tracked.known_blocks = max(tracked.known_blocks, match.first + n)
         tracked.loaded = rows
         tracked.tier_tokens = num_external_tokens
+        self.note_sources(tracked, match.first, start, match.hits[:n])
+
+    def note_sources(
+        self, tracked: TrackedRequest, first: int, start: int, hits: Sequence[TierHit]
+    ) -> None:
+        """Where the tier blocks ``first ..`` a load reads from position ``start`` are held."""
+        tracked.sources = [hit_source(h, self.local_pool) for h in hits]
+        tracked.sources_from = (first, start)
 
     def build(self, new: Sequence[NewScheduled], cached: Sequence[CachedScheduled]) -> StepPlan:
         """This step's plan: pending loads, and every tier block that becomes full this step."""
@@ -411,11 +445,19 @@ class SchedulerPlanner:
                 tracked.tier_tokens = max(0, position - tracked.loaded.start)
                 tracked.loaded = None
 
-    def finished(self, req_id: str) -> int:
-        """Forget a finished request; how many of its prompt tokens came from the tier."""
+    def finished(self, req_id: str) -> TierSupply:
+        """Forget a finished request; what the tier supplied to its prompt."""
         tracked = self._requests.pop(req_id, None)
+        sources = dict.fromkeys(SOURCES, 0)
         if tracked is None:
-            return 0
+            return TierSupply(0, sources)
         if tracked.lookup is not None:
             tracked.lookup.future.cancel()
-        return tracked.tier_tokens
+        # The tokens still counted as loaded (a failed load shortens them), block by block.
+        bs = self.tier_tokens
+        first, start = tracked.sources_from
+        stop = start + tracked.tier_tokens
+        for i, source in enumerate(tracked.sources):
+            lo, hi = max(start, (first + i) * bs), min(stop, (first + i + 1) * bs)
+            sources[source] += max(0, hi - lo)
+        return TierSupply(tracked.tier_tokens, sources)

@@ -395,6 +395,7 @@ def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
 
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
+    from tessera_ray.metrics import Metrics, PrometheusBackend
     from tessera_ray.serve.router import TesseraRequestRouter
     from tessera_ray.serve.routing import RouteReason
     from tessera_ray.vllm.keys import prompt_keys
@@ -409,6 +410,8 @@ def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
     router.initialize_state(
         model_name="served", namespace="route-ns", client=tier, lookup_timeout_s=5.0
     )
+    backend = PrometheusBackend()
+    router._metrics = Metrics(backend)  # read back what the choice recorded
     replicas = [
         SimpleNamespace(replica_id=f"r{i}", node_id=n, max_ongoing_requests=8)
         for i, n in enumerate(tessera_cluster.node_ids)
@@ -418,3 +421,8 @@ def test_the_serve_router_routes_to_the_node_whose_pool_holds_the_prompt(
     assert ranked[0][0].replica_id == "r2"
     assert router.last_choice is not None
     assert (router.last_choice.reason, router.last_choice.local_blocks) == (RouteReason.TIER, 3)
+    # A tier choice reports the blocks that made it, where it is made.
+    tags = {"ray_namespace": "tessera", "deployment": "llm", "reason": "tier"}
+    sample = backend.registry.get_sample_value
+    assert sample("tessera_route_requests_total", tags) == 1
+    assert sample("tessera_route_held_blocks_total", tags) == 3

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tessera_ray.actors.directory import Holder, Tier
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
@@ -22,7 +23,7 @@ from tessera_ray.vllm.backend import TierHit
 from tessera_ray.vllm.connector import TesseraConnectorConfig, tenant_namespace
 from tessera_ray.vllm.keys import payload_block_hash
 from tessera_ray.vllm.records import BlockLoad, CachedScheduled, NewScheduled, StepPlan, TokenRows
-from tessera_ray.vllm.scheduler import SchedulerPlanner
+from tessera_ray.vllm.scheduler import TIER_SOURCES_PARAM, TIER_TOKENS_PARAM, SchedulerPlanner
 from tessera_ray.vllm.tiers import LocalTier
 from tessera_ray.vllm.worker import WorkerMover
 
@@ -86,6 +87,7 @@ class _Tier:
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, TokenKey], BlockHash] = {}
+        self.holders: dict[TokenKey, tuple[Holder, ...]] = {}
         self.calls = 0
         self.hold = False
         self.pending: list[tuple[concurrent.futures.Future[Any], list[TierHit | None]]] = []
@@ -96,7 +98,10 @@ class _Tier:
         self.calls += 1
         future: concurrent.futures.Future[list[TierHit | None]] = concurrent.futures.Future()
         found = [self.held.get((namespace, k)) for k in keys]
-        answer = [TierHit(h) if h is not None else None for h in found]
+        answer = [
+            TierHit(h, self.holders.get(k, ())) if h is not None else None
+            for k, h in zip(keys, found, strict=True)
+        ]
         if self.hold:
             self.pending.append((future, answer))
         else:
@@ -109,7 +114,9 @@ class _Tier:
         self.pending.clear()
 
 
-def _planner(tier: _Tier, engine_tokens: int = 64) -> SchedulerPlanner:
+def _planner(
+    tier: _Tier, engine_tokens: int = 64, local_pool: str | None = None
+) -> SchedulerPlanner:
     return SchedulerPlanner(
         tier,
         LAYOUT,
@@ -118,6 +125,7 @@ def _planner(tier: _Tier, engine_tokens: int = 64) -> SchedulerPlanner:
         block_tokens=engine_tokens,
         can_load=True,
         can_save=True,
+        local_pool=local_pool,
     )
 
 
@@ -208,23 +216,39 @@ def test_planner_loads_after_a_local_hit_that_ends_inside_a_tier_block() -> None
 
 def test_planner_reports_the_prompt_tokens_the_tier_supplied() -> None:
     """What a finished request tells its client (its ``kv_transfer_params``): the tokens its
-    load took from the tier; fewer when part of the load failed (vLLM recomputes from the
+    load took from the tier, split by where the tier held each block (this node's pool, another
+    pool's memory, a disk tier); fewer when part of the load failed (vLLM recomputes from the
     first failed block); none for a request that computed its prompt or is unknown."""
     tier, tokens, ids = _Tier(), list(range(1, 331)), list(range(21))
     writer = _planner(tier, 16)
     writer.matched_tokens(_Request("a", tokens), 0)
-    _store_saves(tier, writer.build([NewScheduled("a", ids, 0, 330)], []))
-    assert writer.finished("a") == 0
-    reader = _planner(tier, 16)
+    plan = writer.build([NewScheduled("a", ids, 0, 330)], [])
+    _store_saves(tier, plan)
+    assert writer.finished("a") == (0, {"local": 0, "remote": 0, "disk": 0})
+    here, there = Holder("pool-here", Tier.MEMORY), Holder("pool-there", Tier.MEMORY)
+    on_disk = Holder("pool-here", Tier.DISK)
+    keys = plan.saves[0].token_keys
+    for key, holders in zip(
+        keys,
+        [(here, there), (here,), (there,), (on_disk,), (on_disk, Holder("p", Tier.DISK))],
+        strict=True,
+    ):
+        tier.holders[key] = holders
+    reader = _planner(tier, 16, local_pool="pool-here")
     for name in ("b", "c"):
         request = _Request(name, tokens)
         assert reader.matched_tokens(request, 0) == 320
         reader.after_alloc(request, ids, 320)
         reader.build([NewScheduled(name, ids, 320, 10)], [])
-    assert reader.finished("b") == 320
+    supplied = reader.finished("b")
+    assert supplied == (320, {"local": 128, "remote": 64, "disk": 128})
+    assert supplied.params() == {
+        TIER_TOKENS_PARAM: 320,
+        TIER_SOURCES_PARAM: {"local": 128, "remote": 64, "disk": 128},
+    }
     reader.load_failed({ids[10]})  # engine block 10: positions 160 to 175
-    assert reader.finished("c") == 160
-    assert reader.finished("never-seen") == 0
+    assert reader.finished("c") == (160, {"local": 128, "remote": 32, "disk": 0})
+    assert reader.finished("never-seen").tokens == 0
 
 
 @pytest.mark.parametrize("can_load", [True, False])

@@ -163,6 +163,7 @@ def test_tier_smaller_than_the_working_set_and_a_killed_pool(
     spec = {
         "model": str(model),
         "connector": {"backend": "ray", "ray_namespace": SMALL, "timeout_s": 10.0},
+        "connector_stats": True,
         "jobs": jobs,
     }
     small = run_engine(spec, work, "v4-small-tier")

@@ -55,6 +55,20 @@ def test_defaults_follow_the_model_source() -> None:
     }
 
 
+def test_without_the_connector_the_engines_and_the_router_are_otherwise_the_same() -> None:
+    """The baseline of a tier-on / tier-off comparison: no ``kv_transfer_config``, nothing else
+    changed (the same router and its settings, the same engine arguments)."""
+    on = ServeLLMSettings.from_args(_args()).llm_config_dict()
+    off = ServeLLMSettings.from_args({**_args(), "connector": False}).llm_config_dict()
+    assert "kv_transfer_config" not in off["engine_kwargs"]
+    assert off["engine_kwargs"] == {
+        k: v for k, v in on["engine_kwargs"].items() if k != "kv_transfer_config"
+    }
+    assert {k: v for k, v in off.items() if k != "engine_kwargs"} == {
+        k: v for k, v in on.items() if k != "engine_kwargs"
+    }
+
+
 def test_every_router_named_is_a_class_serve_can_load() -> None:
     module, name = ROUTERS["tessera"].split(":")
     assert getattr(importlib.import_module(module), name) is TesseraRequestRouter

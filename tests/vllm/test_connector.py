@@ -392,7 +392,7 @@ def test_the_hybrid_kv_cache_manager_stays_on(model_dir: Path, extra: dict[str, 
     connector through ``request_finished_all_groups`` with its tier count."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from tessera_ray.vllm.connector import TIER_TOKENS_PARAM
+    from tessera_ray.vllm.connector import TIER_SOURCES_PARAM, TIER_TOKENS_PARAM
 
     config = vllm_config(model_dir, extra)
     assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
@@ -401,7 +401,7 @@ def test_the_hybrid_kv_cache_manager_stays_on(model_dir: Path, extra: dict[str, 
     ids = engine.scheduler.kv_cache_manager.get_block_ids("A")
     assert engine.connector.request_finished_all_groups(request, ids) == (
         False,
-        {TIER_TOKENS_PARAM: 0},
+        {TIER_TOKENS_PARAM: 0, TIER_SOURCES_PARAM: {"local": 0, "remote": 0, "disk": 0}},
     )
 
 
