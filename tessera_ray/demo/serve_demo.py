@@ -309,7 +309,7 @@ def _run_app(
     try:
         _wait_ready(client, stack.name, config.start_timeout_s)
         start_s = time.perf_counter() - started
-        say(f"{label}: {config.num_nodes} vLLM replicas up in {start_s:.0f} s")
+        say(f"{label.rstrip()}: {config.num_nodes} vLLM replicas up in {start_s:.0f} s")
         # Ray's log setup (redone when Serve starts) leaves the root logger at INFO: the
         # client's line per request would bury the report.
         logging.getLogger("httpx").setLevel(logging.WARNING)
