@@ -100,6 +100,9 @@ def check_eviction_run(
         hits, misses = hits + (kind == "hit"), misses + (kind == "cold")
         assert same(got, reference.results[f"{name}/{kind}"]), f"{name}/{i} differs ({kind})"
     counts = {k: r.get("connector") for k, r in small.results.items() if r.get("connector")}
-    assert hits and misses > 3, f"no eviction happened: {hits} hits, {misses} misses; {counts}"
+    assert hits and misses > 3, (
+        f"no eviction happened: {hits} hits, {misses} misses; connector counts {counts}; "
+        f"tier {small.report.get('tier_status')}"
+    )
     for name in ("q3", "q4"):
         assert same(small.results[f"{name}/after-kill"], reference.results[f"{name}/cold"])

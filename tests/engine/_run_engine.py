@@ -9,7 +9,8 @@ engine core and worker processes under it. The spec::
      "enforce_eager": bool, "max_tokens": int, "env": {name: value}, "log_stats": bool,
      "connector_stats": bool,
      "jobs": [{"name": str, "prompt": [ids], "salt": str | null, "max_tokens": int,
-               "repeat": int, "fresh_cache": bool} | {"kill_pools": ray namespace}]}
+               "repeat": int, "fresh_cache": bool} | {"kill_pools": ray namespace}
+              | {"tier_status": ray namespace}]}
 
 ``connector`` is TesseraConnector's ``kv_connector_extra_config``; ``kv_transfer_config`` names
 another connector whole (vLLM's own, for the benchmark's peers). A job's ``seconds`` is the
@@ -17,6 +18,9 @@ wall time of ``generate`` in this process (first token time with ``max_tokens`` 
 ``repeat``; the tokens and logprobs are the first run's, ``cached`` the first run's cached
 prompt tokens and ``cached_runs`` every run's. ``fresh_cache`` empties vLLM's own
 prefix cache before each run, so that a repeated prompt is a tier hit every time.
+
+A ``tier_status`` job records ``tessera-ray status --json`` of that tier in the output's
+``tier_status`` (what a failing eviction test shows).
 
 ``force_prefix_caching``: vLLM's CPU build turns prefix caching off for MLA models on CPUs
 without AMX (its reference MLA backend); a reference engine turns it back on, so that vLLM
@@ -128,6 +132,21 @@ def _kill_pools(namespace: str) -> None:
     assert int(out.stdout.split()[-1]) > 0, f"no pool to kill in {namespace!r}"
 
 
+def _tier_status(namespace: str) -> Any:
+    """The tier's status in ``namespace`` as ``tessera-ray status --json`` prints it (pools'
+    blocks, evictions, losses), for a failing test to show."""
+    cli = os.path.join(os.path.dirname(sys.executable), "tessera-ray")
+    out = subprocess.run(
+        [cli, "status", "--ray-namespace", namespace, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -143,6 +162,9 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     for job in spec["jobs"]:
         if "kill_pools" in job:
             _kill_pools(job["kill_pools"])
+            continue
+        if "tier_status" in job:
+            out.setdefault("tier_status", {})[job["tier_status"]] = _tier_status(job["tier_status"])
             continue
         params = SamplingParams(
             max_tokens=job.get("max_tokens", spec.get("max_tokens", 8)),

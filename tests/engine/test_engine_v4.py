@@ -155,7 +155,7 @@ def test_tier_smaller_than_the_working_set_and_a_killed_pool(
     jobs: list[dict[str, Any]] = [
         {"name": f"{n}/{i}", "prompt": EVICT[n]} for i, n in enumerate(order)
     ]
-    jobs += [{"kill_pools": SMALL}]
+    jobs += [{"tier_status": SMALL}, {"kill_pools": SMALL}]
     jobs += [
         {"name": "q3/after-kill", "prompt": EVICT["q3"]},
         {"name": "q4/after-kill", "prompt": EVICT["q4"]},
