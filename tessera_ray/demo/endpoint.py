@@ -33,6 +33,7 @@ __all__ = [
     "render_rounds",
     "render_router_choices",
     "render_round",
+    "token_split",
     "render_comparison",
     "compare",
     "as_json",
@@ -178,6 +179,19 @@ def time_cold_prompts(
     return out
 
 
+def token_split(turns: Sequence[TurnResult]) -> dict[str, int]:
+    """Where the prompt tokens of ``turns`` came from: computed, vLLM's own cache, the tier,
+    and the tier's part by source (``tier_local``, ``tier_remote``, ``tier_disk``)."""
+    tier = sum(t.tier_tokens for t in turns)
+    return {
+        "prompt_tokens": sum(t.prompt_tokens for t in turns),
+        "computed_tokens": sum(t.computed_tokens for t in turns),
+        "vllm_cache_tokens": sum(t.cached_tokens for t in turns) - tier,
+        "tier_tokens": tier,
+        **{f"tier_{k}": sum(t.tier_sources.get(k, 0) for t in turns) for k in SOURCES},
+    }
+
+
 def summarize(results: Sequence[TurnResult]) -> list[RoundSummary]:
     rounds = sorted({r.round for r in results})
     out = []
@@ -188,15 +202,9 @@ def summarize(results: Sequence[TurnResult]) -> list[RoundSummary]:
             RoundSummary(
                 round=n,
                 requests=len(these),
-                prompt_tokens=sum(r.prompt_tokens for r in these),
-                computed_tokens=sum(r.computed_tokens for r in these),
-                tier_tokens=sum(r.tier_tokens for r in these),
                 first_token_p50_s=statistics.median(times),
                 first_token_p99_s=quantile(times, 0.99),
-                vllm_cache_tokens=sum(r.cached_tokens - r.tier_tokens for r in these),
-                tier_local=sum(r.tier_sources.get("local", 0) for r in these),
-                tier_remote=sum(r.tier_sources.get("remote", 0) for r in these),
-                tier_disk=sum(r.tier_sources.get("disk", 0) for r in these),
+                **token_split(these),
             )
         )
     return out
@@ -228,14 +236,9 @@ def render_round(label: str, s: RoundSummary) -> str:
 
 
 def _split(turns: Sequence[TurnResult]) -> dict[str, Any]:
-    tier = sum(t.tier_tokens for t in turns)
     return {
         "turns": len(turns),
-        "prompt_tokens": sum(t.prompt_tokens for t in turns),
-        "computed_tokens": sum(t.computed_tokens for t in turns),
-        "vllm_cache_tokens": sum(t.cached_tokens for t in turns) - tier,
-        "tier_tokens": tier,
-        **{f"tier_{k}": sum(t.tier_sources.get(k, 0) for t in turns) for k in SOURCES},
+        **token_split(turns),
         "first_token_p50_s": statistics.median(t.first_token_s for t in turns) if turns else 0.0,
     }
 

@@ -33,10 +33,11 @@ from tessera_ray.demo.endpoint import (
     time_cold_prompts,
 )
 from tessera_ray.demo.workload import DemoConfig
+from tessera_ray.serve.routing import RouteReason
 
 __all__ = ["EngineDemoConfig", "run_engine_demo", "run_tier_comparison"]
 
-REASONS = ("tier", "routed", "balanced", "fallback")
+REASONS = tuple(r.value for r in RouteReason)
 
 log = logging.getLogger(__name__)
 
