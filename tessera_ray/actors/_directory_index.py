@@ -11,10 +11,13 @@ them (:class:`~tessera_ray.actors._open_table.SlotIndex`):
 - a replica row holds pool id, tier, slot, generation and the next replica row of the same
   block: each block's replicas are a chain in registration order.
 
-A key keeps naming its block row after the block's last replica went (the dict model kept the
-key's block hash): a later registration of the same block revives the row, and a lookup that
-meets the key first forgets it. Block rows nothing names any more (no replica, no key) are
-reclaimed in a batch once there are enough of them that the scan pays for itself.
+A key keeps naming its block row after the block's last replica went, but it is dead: a
+block row counts the times it lost its last replica (its epoch), a key row holds the epoch it
+was named in, and a lookup that meets a key of an older epoch forgets it. A later registration
+of the same block under another key revives the row, not the keys that named it before: the
+pool that registers the block again holds it under that key only. Block rows nothing names
+any more (no replica, no key) are reclaimed in a batch once there are enough of them that the
+scan pays for itself.
 The interning of namespaces and pools and the checking of input are the shard's
 (:class:`~tessera_ray.actors.directory.DirectoryShard`); every array here is already valid.
 """
@@ -43,10 +46,14 @@ FREE_POOL = 0xFFFF
 """Pool id of a released replica row; pool ids are below it (uint16)."""
 FREE_NAMESPACE = 0xFFFF_FFFF
 """Namespace id of a released block row; namespace ids are below it (uint32)."""
-KEY_ROW = np.dtype([("key", "<u8", (4,)), ("block", "<i4")])
-"""A token key (32 bytes as four words) and the row of the block it names (-1: a free row)."""
-BLOCK_ROW = np.dtype([("hi", "<u8"), ("lo", "<u8"), ("ns", "<u4"), ("head", "<i4")])
-"""A block hash (two words), its namespace id, its first replica row (-1: none)."""
+KEY_ROW = np.dtype([("key", "<u8", (4,)), ("block", "<i4"), ("epoch", "<u4")])
+"""A token key (32 bytes as four words), the row of the block it names (-1: a free row) and
+that block's epoch when the key was named."""
+BLOCK_ROW = np.dtype(
+    [("hi", "<u8"), ("lo", "<u8"), ("ns", "<u4"), ("head", "<i4"), ("epoch", "<u4")]
+)
+"""A block hash (two words), its namespace id, its first replica row (-1: none), and how many
+times it lost its last replica (keys named before then are dead)."""
 REPLICA_ROW = np.dtype(
     [("gen", "<i8"), ("slot", "<u4"), ("next", "<i4"), ("pool", "<u2"), ("tier", "u1")]
 )
@@ -260,13 +267,24 @@ class DirectoryIndex:
         b = self._blocks
         b["hi"][new], b["lo"][new], b["ns"][new] = hi[take], lo[take], ns[take]
         b["head"][new] = -1
+        b["epoch"][new] = 0
         self._block_index.insert(h[take], new)
         rows[missing] = new[inverse.reshape(-1)]
         return rows
 
     def _add_keys(self, ns: U64, words: U64, blocks: I64) -> None:
-        """Keys not held yet name the block of their first entry; a held key keeps its block."""
+        """Keys not held yet name the block of their first entry; a held key keeps its block,
+        unless it is dead (its block lost every replica since): then it names the new one."""
         rows, _ = self._find_keys(ns, words)
+        held = np.flatnonzero(rows >= 0)
+        if len(held):
+            k, b = self._keys, self._blocks
+            dead = held[k["epoch"][rows[held]] != b["epoch"][k["block"][rows[held]]]]
+            # The first entry naming a dead key wins, as for a new key.
+            _, first = np.unique(rows[dead], return_index=True)
+            dead = dead[first]
+            k["block"][rows[dead]] = blocks[dead]
+            k["epoch"][rows[dead]] = b["epoch"][blocks[dead]]
         missing = np.flatnonzero(rows < 0)
         if not len(missing):
             return
@@ -279,6 +297,7 @@ class DirectoryIndex:
         new = self._keys.alloc(len(missing))
         self._keys["key"][new] = words[missing]
         self._keys["block"][new] = blocks[missing]
+        self._keys["epoch"][new] = self._blocks["epoch"][blocks[missing]]
         self._key_index.insert(h, new)
 
     def _add_replicas(
@@ -352,9 +371,12 @@ class DirectoryIndex:
             return 0
         reps["pool"][rows[gone]] = FREE_POOL
         reps.release(rows[gone])
-        was_live = self._blocks["head"][blocks] >= 0
+        b = self._blocks
+        was_live = b["head"][blocks] >= 0
         self._relink(blocks, which[~gone], rows[~gone])
-        self.live_blocks -= int(np.count_nonzero(was_live & (self._blocks["head"][blocks] < 0)))
+        died = blocks[was_live & (b["head"][blocks] < 0)]
+        b["epoch"][died] += np.uint32(1)  # the keys naming them die with them
+        self.live_blocks -= len(died)
         self.replicas -= dropped
         self._maybe_reclaim()
         return dropped
@@ -383,14 +405,14 @@ class DirectoryIndex:
     # ------------------------------------------------------------------ reads
 
     def lookup(self, ns: int, words: U64) -> Found:
-        """The keys held under ``ns`` whose block has a replica, with the replicas. A key held
-        whose block has none left is forgotten here."""
+        """The keys held under ``ns`` whose block has a replica, with the replicas. A dead key
+        (its block lost every replica since it was named) is forgotten here."""
         probe_ns = np.full(len(words), ns, np.uint64)
         rows, at = self._find_keys(probe_ns, words)
         found = np.flatnonzero(rows >= 0)
         blocks = self._keys["block"][np.take(rows, found)].astype(np.int64)
         met = np.take(self._blocks.data, blocks)
-        live = met["head"] >= 0
+        live = (met["head"] >= 0) & (self._keys["epoch"][np.take(rows, found)] == met["epoch"])
         if not live.all():
             self._forget_keys(at[found[~live]], rows[found[~live]])
             found, blocks, met = found[live], blocks[live], met[live]

@@ -30,7 +30,7 @@ from tessera_ray.errors import PageShapeError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport.fetch import PageFetchResult
 
-__all__ = ["GroupStats", "Handles", "Key", "LayerGroups", "check_keys"]
+__all__ = ["GroupStats", "Handles", "Key", "LayerGroups", "Leaving", "check_keys"]
 
 _KEY_BYTES = 32
 
@@ -48,6 +48,15 @@ def check_keys(namespace: str, token_keys: Sequence[bytes]) -> None:
     for key in token_keys:
         if not isinstance(key, bytes) or len(key) != _KEY_BYTES:
             raise PageShapeError(f"a token key is {_KEY_BYTES} bytes, got {key!r:.40}")
+
+
+@dataclass(frozen=True, slots=True)
+class Leaving:
+    """A key whose block left memory: its hash, and its bytes when they were copied out."""
+
+    key: TokenKey
+    block_hash: BlockHash
+    payload: bytes | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +101,11 @@ class LayerGroups:
         self.group_bytes = [g.block_bytes for g in layout.groups]
         self.block_bytes = sum(self.group_bytes)
         self.hashes: dict[Key, BlockHash] = {}
-        """Block hash of every block sealed or installed here under a token key. An entry can
-        outlive its pages (a block dropped with the key of another block naming the same
-        pages); readers that find no pages behind an entry drop it."""
+        """Block hash of every block sealed or installed here under a token key (read only:
+        :meth:`_name` and :meth:`forget` keep it and :attr:`_named` in step)."""
+        self._named: dict[tuple[str, BlockHash], set[bytes]] = {}
+        """Per block hash, the keys naming it here: the directory records a pool's replicas by
+        hash, so a hash is withdrawn only with the last key naming it."""
         self._seeds: dict[str, int] = {}
 
     def seed(self, namespace: str) -> int:
@@ -177,7 +188,7 @@ class LayerGroups:
         )
         assert first is not None
         if registered:
-            self.hashes[(namespace, key)] = bh
+            self._name(namespace, key, bh)
         return StoredBlock(
             key, bh, first.offset // first.length, first.generation, dedup, registered
         )
@@ -244,7 +255,7 @@ class LayerGroups:
                     )
                 )
                 if registered:
-                    self.hashes[(namespace, block.token_key)] = block.block_hash
+                    self._name(namespace, block.token_key, block.block_hash)
             else:
                 out.append(error)
             self.release(per_group)
@@ -283,37 +294,69 @@ class LayerGroups:
 
     # ------------------------------------------------------------------ leaving memory
 
-    def take_out(self, namespace: str, key: TokenKey) -> bytes | None:
-        """The block's payload, and its eviction from memory; ``None`` (nothing changed) when
-        it is referenced or already gone. Its hash entry stays until :meth:`forget` (the
-        caller announces the block gone under that hash)."""
-        per_group = [pool.lookup(namespace, key) for pool in self.pools]
-        try:
-            if any(h is None for h in per_group):
-                return None
+    def take_out(self, namespace: str, key: TokenKey) -> list[Leaving] | None:
+        """Evict the block from memory with every key naming the same bytes here, each with
+        its payload; ``None`` (nothing changed) when it is referenced or not held.
+
+        Keys naming the same bytes leave together: the directory holds a pool's replicas by
+        block hash, so one left behind would keep the others listed here. A layer group whose
+        pages this block shares with other blocks keeps them for those blocks."""
+        return self._remove(namespace, key, copy=True)
+
+    def drop(self, namespace: str, key: TokenKey) -> list[Leaving] | None:
+        """:meth:`take_out` without the payloads (rotten bytes are not copied anywhere)."""
+        return self._remove(namespace, key, copy=False)
+
+    def _remove(self, namespace: str, key: TokenKey, *, copy: bool) -> list[Leaving] | None:
+        bh = self.hashes.get((namespace, key))
+        if bh is None or not self.contains(namespace, key):
+            return None
+        named = self._named[(namespace, bh)]
+        together = [TokenKey(k) for k in named if self.contains(namespace, TokenKey(k))]
+        leaving = set(together)
+        for pool in self.pools:
+            for k in together:
+                found = pool.block_names(namespace, k)
+                # A block that stays for keys outside this set loses names only: references
+                # on its pages do not matter. One that leaves must have none.
+                if found is not None and found[1] and leaving.issuperset(found[0]):
+                    return None
+        payload: bytes | None = None
+        if copy:
             # Read before evicting: pages the block shares with other blocks stay in the pool,
             # so the payload cannot be rebuilt from what leaves. One gather per group (one
             # device-to-host copy for a pool in GPU memory), not one read per page.
-            payload = self.gather([[list(hs or ()) for hs in per_group]]).tobytes()
-        finally:
-            for pool, hs in zip(self.pools, per_group, strict=True):
-                if hs is not None:
-                    pool.release_many(list(hs))
-        return payload if self.drop(namespace, key) else None
+            per_group = self.reference(namespace, key)
+            if per_group is not None:
+                try:
+                    payload = self.gather([per_group]).tobytes()
+                finally:
+                    self.release(per_group)
+        for k in together:
+            for pool in self.pools:
+                pool.evict_block(namespace, k, copy_data=False)
+        for name in list(named):  # keys naming these bytes without pages here go too
+            self.forget(namespace, TokenKey(name))
+        return [Leaving(k, bh, payload) for k in together]
 
-    def drop(self, namespace: str, key: TokenKey) -> bool:
-        """Evict the block without a copy; ``False`` (nothing changed) when it is referenced."""
-        for g, pool in enumerate(self.pools):
-            if pool.evict_block(namespace, key, copy_data=False) is None:
-                assert g == 0, "block referenced in one layer group but not in another"
-                return False
-        return True
+    def _name(self, namespace: str, key: TokenKey, bh: BlockHash) -> None:
+        self.forget(namespace, key)  # a key named again may name other bytes than before
+        self.hashes[(namespace, key)] = bh
+        self._named.setdefault((namespace, bh), set()).add(bytes(key))
 
     def forget(self, namespace: str, key: TokenKey) -> BlockHash | None:
-        """Drop the hash entry of a block whose pages left memory (evicted, dropped, or found
-        gone by a reader); the hash it had, to withdraw its replica from the directory, or
-        ``None`` when the entry was already gone."""
-        return self.hashes.pop((namespace, key), None)
+        """Drop the hash entry of a key whose block left memory (evicted, dropped, or found
+        gone by a reader); the hash to withdraw from the directory when no other key here
+        names it, else ``None``."""
+        bh = self.hashes.pop((namespace, key), None)
+        if bh is None:
+            return None
+        named = self._named[(namespace, bh)]
+        named.discard(bytes(key))
+        if named:
+            return None
+        del self._named[(namespace, bh)]
+        return bh
 
     def stats(self) -> GroupStats:
         stats = [p.stats() for p in self.pools]

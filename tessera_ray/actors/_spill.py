@@ -104,21 +104,19 @@ class Spiller:
         )
         dropped: list[BlockRef] = []
         spill: dict[str, list[tuple[TokenKey, BlockHash, bytes]]] = {}
-        for ns, key in order:
-            if len(dropped) + sum(len(v) for v in spill.values()) >= num_blocks:
-                break
-            payload = self.groups.take_out(ns, TokenKey(key))
-            if payload is None:
-                continue
-            bh = self.groups.forget(ns, TokenKey(key))
-            if bh is None:  # already forgotten (and withdrawn) by whoever dropped it
-                continue
-            if (ns, key) in durable:
-                dropped.append(BlockRef(ns, TokenKey(key), bh))
-            else:
-                spill.setdefault(ns, []).append((TokenKey(key), bh, payload))
-        spilled: list[BlockRef] = []
         lost: list[BlockRef] = []
+        for ns, key in order:
+            if len(dropped) + len(lost) + sum(len(v) for v in spill.values()) >= num_blocks:
+                break
+            for out in self.groups.take_out(ns, TokenKey(key)) or ():
+                ref = BlockRef(ns, out.key, out.block_hash)
+                if (ns, bytes(out.key)) in durable:
+                    dropped.append(ref)
+                elif out.payload is None:  # a block missing from a layer group: nothing to keep
+                    lost.append(ref)
+                else:
+                    spill.setdefault(ns, []).append((out.key, out.block_hash, out.payload))
+        spilled: list[BlockRef] = []
         for ns, items in spill.items():
             refs = [BlockRef(ns, k, bh) for k, bh, _ in items]
             if self.disk is None:
@@ -132,7 +130,7 @@ class Spiller:
         # in between finds the block somewhere (a key with no replica is forgotten).
         await self.announce.on_disk(spilled)
         await self.announce.gone_from_memory(
-            [(r.namespace, r.block_hash) for r in (*dropped, *spilled, *lost)]
+            list(dict.fromkeys((r.namespace, r.block_hash) for r in (*dropped, *spilled, *lost)))
         )
         return EvictionReport(tuple(dropped), tuple(spilled), tuple(lost))
 

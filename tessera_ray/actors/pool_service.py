@@ -311,15 +311,13 @@ class PoolService:
                 out.append(BlockCheck.INTACT)
             # Dropped without a copy: rotten bytes must not reach the disk tier either. A
             # rotten page another block shares stays for that block, until it is checked too.
-            elif not self.groups.drop(namespace, key):
+            elif (gone := self.groups.drop(namespace, key)) is None:
                 out.append(BlockCheck.IN_USE)
             else:
-                self.rotten += 1
-                bh = self.groups.forget(namespace, key)
-                if bh is not None:
-                    dropped.append((namespace, bh))
+                self.rotten += len(gone)
+                dropped.extend((namespace, g.block_hash) for g in gone)
                 out.append(BlockCheck.DROPPED)
-        await self.announce.gone_from_memory(dropped)
+        await self.announce.gone_from_memory(list(dict.fromkeys(dropped)))
         return out
 
     def read_pinned(self, pin_id: int) -> np.ndarray:

@@ -74,6 +74,11 @@ class BlockIndex:
         for page in dict.fromkeys(block.pages):
             _unlink(page, block)
 
+    def unname(self, block: BlockRecord, token_key: bytes) -> None:
+        """Forget one of ``block``'s token keys; the block stays, for its other keys."""
+        del self._token_keys[token_key]
+        block.token_keys.remove(token_key)
+
     def drop_page(self, rec: PageRecord) -> None:
         """Forget every block that names ``rec`` (it is being evicted), with its token keys."""
         for block in blocks_of(rec):

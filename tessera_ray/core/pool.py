@@ -377,23 +377,42 @@ class BlockPool:
     def evict_block(
         self, namespace: str, token_key: TokenKey, *, copy_data: bool = True
     ) -> list[EvictedPage] | None:
-        """Evict the block ``token_key`` names, now, out of LRU order.
+        """Evict ``token_key``'s name for its block, now, out of LRU order.
 
         For callers that choose victims by block (the pool actor evicts blocks with replicas
-        elsewhere first). The block and its token keys are forgotten; its pages leave, except
-        pages that other blocks also name (a deduplicated page: layer-0 KV of the same tokens
-        at the same positions under another prefix), which stay for those blocks, so evicting
-        one block never takes another with it. Returns the pages that left, or ``None`` (and
-        changes nothing) when the key names no block or any of its pages is referenced.
+        elsewhere first). The key is forgotten. A block other keys still name (the same bytes
+        stored under several keys, as the zero tail of records in one layer group) stays whole
+        for them, so evicting one key never takes another key's block with it. The last name's
+        block leaves with its pages, except pages that other blocks also name (a deduplicated
+        page: layer-0 KV of the same tokens at the same positions under another prefix).
+        Returns the pages that left (none while other keys name the block), or ``None`` (and
+        changes nothing) when the key names no block, or its block would leave and any of its
+        pages is referenced.
         """
         block = self._blocks.find(self._dedup.known(namespace), token_key)
-        if block is None or any(r.refcount for r in block.pages):
+        if block is None:
+            return None
+        if len(block.token_keys) > 1:
+            self._blocks.unname(block, token_key)
+            return []
+        if any(r.refcount for r in block.pages):
             return None
         victims = self._blocks.only_in(block)
         self._pages.take_from_lru(victims)
         out = [self._evict_page(rec, copy_data) for rec in victims]
         self._blocks.drop_block(block)  # when every page was shared, it is still named
         return out
+
+    def block_names(
+        self, namespace: str, token_key: TokenKey
+    ) -> tuple[tuple[TokenKey, ...], bool] | None:
+        """The token keys naming the block ``token_key`` names (it among them) and whether any
+        of its pages is referenced; ``None`` when the key names no block."""
+        block = self._blocks.find(self._dedup.known(namespace), token_key)
+        if block is None:
+            return None
+        names = tuple(TokenKey(k) for k in block.token_keys)
+        return names, any(r.refcount for r in block.pages)
 
     def evictable_blocks(self, limit: int) -> list[tuple[str, TokenKey]]:
         """Up to ``limit`` ``(namespace, token key)`` pairs of unreferenced blocks, oldest first.

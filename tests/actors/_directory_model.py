@@ -36,8 +36,11 @@ class DictShard:
         self._ns: dict[str, int] = {}
         self._pool_ids: dict[str, int] = {}
         self._pool_names: list[str] = []
-        self._keys: dict[tuple[int, bytes], int] = {}  # (ns id, token key) -> block hash
+        # (ns id, token key) -> (block hash, the block's epoch when the key was named)
+        self._keys: dict[tuple[int, bytes], tuple[int, int]] = {}
         self._blocks: dict[tuple[int, int], list[_Rep]] = {}  # (ns id, block hash) -> replicas
+        # (ns id, block hash) -> times the block lost its last replica: keys named before are dead
+        self._epochs: dict[tuple[int, int], int] = {}
         self._lookups = self._hits = self._misses = self._purged = 0
 
     def _pool_id(self, pool: str) -> int:
@@ -73,7 +76,10 @@ class DictShard:
         added = 0
         for e in entries:
             ns = self._ns.setdefault(e.namespace, len(self._ns))
-            self._keys.setdefault((ns, e.token_key), e.block_hash)
+            named = self._keys.get((ns, e.token_key))
+            if named is None or named[1] != self._epochs.get((ns, named[0]), 0):
+                epoch = self._epochs.get((ns, e.block_hash), 0)
+                self._keys[(ns, e.token_key)] = (e.block_hash, epoch)
             r = e.replica
             rep = (self._pool_id(r.pool), int(r.tier), r.slot, r.generation)
             reps = self._blocks.setdefault((ns, e.block_hash), [])
@@ -104,8 +110,12 @@ class DictShard:
             if keep:
                 self._blocks[(ns, bh)] = keep  # type: ignore[index]
             else:
-                del self._blocks[(ns, bh)]  # type: ignore[arg-type]
+                self._died((ns, bh))  # type: ignore[arg-type]
         return dropped
+
+    def _died(self, block: tuple[int, int]) -> None:
+        del self._blocks[block]
+        self._epochs[block] = self._epochs.get(block, 0) + 1
 
     def purge_pool(self, pool: str) -> int:
         pid = self._pool_ids.get(pool)
@@ -117,7 +127,7 @@ class DictShard:
             keep = [r for r in reps if r[0] != pid]
             dropped += len(reps) - len(keep)
             if not keep:
-                del self._blocks[key]
+                self._died(key)
             elif len(keep) != len(reps):
                 self._blocks[key] = keep
         self._purged += 1
@@ -145,11 +155,12 @@ class DictShard:
         return out
 
     def _resolve(self, ns: int, key: TokenKey) -> LookupResult | None:
-        bh = self._keys.get((ns, key))
-        if bh is None:
+        named = self._keys.get((ns, key))
+        if named is None:
             return None
+        bh, epoch = named
         reps = self._blocks.get((ns, bh))
-        if not reps:
+        if not reps or epoch != self._epochs.get((ns, bh), 0):
             del self._keys[(ns, key)]
             return None
         return LookupResult(

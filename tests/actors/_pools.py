@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
 
@@ -39,3 +40,12 @@ def payloads(n: int, seed: int, block_bytes: int) -> np.ndarray:
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+def rot(pool: PoolService, key: bytes, group: int = 0, page: int = 1) -> None:
+    """Flip a byte of one page of ``key``'s block in the pool's memory, as bad RAM would."""
+    handles = pool.pools[group].lookup(NS, key)
+    assert handles is not None
+    slot = handles[page].offset // handles[page].length
+    pool.pools[group].data[slot, 17] ^= 0x08
+    pool.pools[group].release_many(list(handles))

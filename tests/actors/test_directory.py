@@ -101,6 +101,24 @@ def test_drop_and_purge() -> None:
     assert d.purge_pool("never-seen") == 0
 
 
+def test_a_block_registered_again_revives_only_the_keys_it_is_registered_under() -> None:
+    """Keys 1 and 2 name the same bytes (block 7) on p0; the block loses its last replica and
+    p0 stores it again under key 1 only. Key 2 stays gone: p0 holds nothing under it, and a
+    lookup that listed it there would send a reader to a miss. A dead key named again, under
+    any block, is live again."""
+    d = DirectoryShard()
+    d.register([reg("a", 1, 7), reg("a", 2, 7)])
+    assert d.drop_replicas("p0", [("a", BlockHash(7))]) == 1
+    d.register([reg("a", 1, 7)])
+    one, two = d.lookup("a", [key(1), key(2)])
+    assert one is not None and one.block_hash == 7 and two is None
+    d.drop_replicas("p0", [("a", BlockHash(7))])
+    d.register([reg("a", 2, 9)])  # dead, so not held to its first block
+    (two,) = d.lookup("a", [key(2)])
+    assert two is not None and two.block_hash == 9
+    assert d.lookup("a", [key(1)]) == [None]
+
+
 def test_rebuild_takes_only_this_shards_keys() -> None:
     shards = [DirectoryShard(i, 4) for i in range(4)]
     inventory = [reg("a", i, i) for i in range(64)]

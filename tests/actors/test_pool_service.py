@@ -15,7 +15,7 @@ from tessera_ray.actors.links import LocalDirectory
 from tessera_ray.actors.messages import FetchFailure
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.errors import LeaseError, PageShapeError, PoolExhaustedError
-from tests.actors._pools import LAYOUT, NS, Clock, keys, payloads, run
+from tests.actors._pools import LAYOUT, NS, Clock, keys, payloads, rot, run
 
 
 def make(
@@ -267,15 +267,6 @@ def test_a_read_makes_a_block_the_youngest_and_a_held_block_is_no_candidate() ->
     assert pool.contains(NS, ks) == [Tier.MEMORY, None, None]
 
 
-def _rot(pool: PoolService, key: bytes, group: int = 0, page: int = 1) -> None:
-    """Flip a byte of one page of ``key``'s block in the pool's memory, as bad RAM would."""
-    handles = pool.pools[group].lookup(NS, key)
-    assert handles is not None
-    slot = handles[page].offset // handles[page].length
-    pool.pools[group].data[slot, 17] ^= 0x08
-    pool.pools[group].release_many(list(handles))
-
-
 def test_check_blocks_drops_what_rotted_in_memory_and_nothing_else() -> None:
     from tessera_ray.actors.messages import BlockCheck
 
@@ -284,7 +275,7 @@ def test_check_blocks_drops_what_rotted_in_memory_and_nothing_else() -> None:
     ks, data = keys(3), payloads(3, 5, pool.block_bytes)
     run(pool.store(NS, ks, data))
     missing = keys(1, start=50)[0]
-    _rot(pool, ks[1])
+    rot(pool, ks[1])
 
     ticket = run(pool.pin(NS, [ks[1]]))  # a reader holds the rotten block: it cannot leave yet
     checks = run(pool.check_blocks(NS, [*ks, missing]))

@@ -366,3 +366,29 @@ def test_evict_block_keeps_pages_another_block_still_names() -> None:
     assert pool.stats().pages_free == before.pages_free + 1
     pool.release_many(list(got))
     pool.check_consistency()
+
+
+def test_a_block_two_keys_name_stays_for_one_when_the_other_is_evicted() -> None:
+    """The same bytes stored under two keys are one block named twice (a V4 record chunk's
+    zero tail in one layer group): evicting one name frees nothing and leaves the block whole
+    for the other, referenced or not; the last name takes the pages."""
+    pool = make_pool(8, layers_per_block=2)
+    k1, k2 = (token_key("t", FINGERPRINT, None, [i]) for i in (1, 2))
+    a = pool.seal_block([pool.write(pool.allocate(), page_of(b)) for b in (5, 6)], "t", k1)
+    b = pool.seal_block([pool.write(pool.allocate(), page_of(b)) for b in (5, 6)], "t", k2)
+    assert b.block_hash == a.block_hash and b.token_key_registered
+    assert pool.block_names("t", k1) == ((k1, k2), True)  # both sealers still hold references
+    pool.release_many([*a.handles, *b.handles])
+    held = pool.lookup("t", k2)  # a reader holds k2: k1's name may still go
+    assert held is not None
+    before = pool.stats()
+    assert pool.evict_block("t", k1) == []
+    assert pool.lookup("t", k1) is None and pool.block_names("t", k1) is None
+    assert pool.block_names("t", k2) == ((k2,), True)
+    assert pool.stats().pages_free == before.pages_free
+    assert pool.evict_block("t", k2) is None  # the last name, referenced: refused
+    pool.release_many(list(held))
+    out = pool.evict_block("t", k2)
+    assert out is not None and [e.data[0] for e in out if e.data] == [5, 6]
+    assert pool.lookup("t", k2) is None and pool.stats().pages_free == before.pages_free + 2
+    pool.check_consistency()
