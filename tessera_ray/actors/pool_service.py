@@ -255,7 +255,7 @@ class PoolService:
             handles = taken.get(i) or self.groups.reference(namespace, key)
             if handles is None:
                 bh = self.groups.forget(namespace, key)
-                if bh is not None:  # dropped with another key naming the same pages
+                if bh is not None:  # named here, yet some layer group lacks its block
                     vanished.append((namespace, bh))
                 blocks.append(None)
                 continue
