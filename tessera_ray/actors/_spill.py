@@ -83,10 +83,13 @@ class Spiller:
         return self.disk.held if self.disk is not None else _NOTHING
 
     async def evict(self, num_blocks: int) -> EvictionReport:
-        """Evict up to ``num_blocks`` unreferenced blocks, least recently used first, preferring
-        blocks another pool also holds. A block leaves memory without a disk write only when a
-        durable copy exists (on this pool's disk tier, or a disk replica elsewhere); otherwise
-        it is spilled to this pool's disk tier.
+        """Evict unreferenced blocks until ``num_blocks`` blocks' room is free (or no candidate
+        is left), least recently used first, preferring blocks another pool also holds. Room,
+        not keys, is counted: keys naming the same bytes leave together and free one block's
+        room, and a block sharing a layer group's pages frees none of them there. A block
+        leaves memory without a disk write only when a durable copy exists (on this pool's
+        disk tier, or a disk replica elsewhere); otherwise it is spilled to this pool's disk
+        tier.
 
         Why a copy in another pool's *memory* is not enough: that pool may be evicting its copy
         at the same moment, trusting this one (the directory cannot say who goes first), and
@@ -105,8 +108,9 @@ class Spiller:
         dropped: list[BlockRef] = []
         spill: dict[str, list[tuple[TokenKey, BlockHash, bytes]]] = {}
         lost: list[BlockRef] = []
+        room = self.groups.free_blocks() + num_blocks
         for ns, key in order:
-            if len(dropped) + len(lost) + sum(len(v) for v in spill.values()) >= num_blocks:
+            if self.groups.free_blocks() >= room:
                 break
             for out in self.groups.take_out(ns, TokenKey(key)) or ():
                 ref = BlockRef(ns, out.key, out.block_hash)

@@ -370,7 +370,7 @@ class PoolService:
     # ------------------------------------------------------------------ eviction and disk
 
     async def evict(self, num_blocks: int) -> EvictionReport:
-        """Evict up to ``num_blocks`` blocks (see :meth:`Spiller.evict`)."""
+        """Evict until ``num_blocks`` blocks' room is free (see :meth:`Spiller.evict`)."""
         return await self.spill.evict(num_blocks)
 
     async def _restore(self, namespace: str, token_keys: Sequence[TokenKey]) -> None:

@@ -118,3 +118,22 @@ def test_a_rotten_block_under_two_keys_is_dropped_under_both() -> None:
     assert run(d.lookup(NS, [*k1, *k2])) == [None, None]
     assert pool.status().rotten_blocks == 2
     _consistent(pool)
+
+
+def test_eviction_counts_the_room_it_frees_not_the_keys_that_leave() -> None:
+    """Three keys naming one block free one block's room when they leave: evicting for two
+    blocks goes on to the next block."""
+    d = LocalDirectory(1)
+    pool = _pool(LAYOUT, 4, d)
+    same = payloads(1, 15, pool.block_bytes)
+    shared = [k for i in range(3) for k in _keys(LAYOUT, 1, 10 * i)]
+    for k in shared:
+        run(pool.store(NS, [k], same))
+    others = _keys(LAYOUT, 3, 100)
+    run(pool.store(NS, others, payloads(3, 16, pool.block_bytes)))
+    assert pool.status().blocks_free == 0
+    report = run(pool.evict(2))
+    assert {r.token_key for r in report.lost} == {*shared, others[0]}
+    assert pool.status().blocks_free == 2
+    assert pool.contains(NS, [*shared, *others]) == [None] * 4 + [Tier.MEMORY] * 2
+    _consistent(pool)
