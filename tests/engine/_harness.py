@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineRun", "run_engine", "ROOT", "same", "check_eviction_run", "full_tokens"]
+__all__ = [
+    "EngineRun",
+    "run_engine",
+    "ROOT",
+    "same",
+    "eviction_jobs",
+    "EVICTION_ORDER",
+    "check_eviction_run",
+    "full_tokens",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,22 +93,45 @@ def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
     return bool(got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"])
 
 
-def check_eviction_run(
-    small: EngineRun, reference: EngineRun, order: list[str], full: dict[str, int]
-) -> None:
-    """An engine over a tier smaller than its working set ran the prompts ``order`` names
-    (jobs ``name/i``), then ``q3`` and ``q4`` after its pool was killed: every answer is a full
-    tier hit (``full[name]`` tokens) or a full recompute, each equal to the reference engine's
-    run of that kind (``name/hit``, ``name/cold``); some were evicted; after the kill, all are
-    recomputed."""
+EVICTION_ORDER = ["q1", "q2", "q3", "q3", "q2", "q1"]
+"""The prompts an eviction test runs, in order: three that the small tier cannot hold at once,
+then back again, oldest last."""
+
+
+def eviction_jobs(prompts: dict[str, list[int]], namespace: str) -> list[dict[str, Any]]:
+    """The jobs of an eviction test over the small tier in ``namespace``: ``EVICTION_ORDER``,
+    the tier's status, its pools killed, then ``q3`` and ``q4`` again.
+
+    vLLM's own prefix cache is emptied before every run: it holds all of these prompts, and
+    where the engine keeps prefix caching on (every GQA model; MLA and V4 on CPUs with AMX)
+    a repeat would be its hit, not the tier's, and the tier's eviction would go untested."""
+    jobs: list[dict[str, Any]] = [
+        {"name": f"{n}/{i}", "prompt": prompts[n], "fresh_cache": True}
+        for i, n in enumerate(EVICTION_ORDER)
+    ]
+    jobs += [{"tier_status": namespace}, {"kill_pools": namespace}]
+    jobs += [
+        {"name": f"{n}/after-kill", "prompt": prompts[n], "fresh_cache": True} for n in ("q3", "q4")
+    ]
+    return jobs
+
+
+def check_eviction_run(small: EngineRun, reference: EngineRun, full: dict[str, int]) -> None:
+    """An engine over a tier smaller than its working set ran :func:`eviction_jobs`: every
+    answer is a full tier hit (``full[name]`` tokens, loaded by the connector) or a full
+    recompute, each equal to the reference engine's run of that kind (``name/hit``,
+    ``name/cold``); some were evicted; after the kill, all are recomputed."""
     hits = misses = 0
-    for i, name in enumerate(order):
+    counts = {k: r.get("connector") for k, r in small.results.items() if r.get("connector")}
+    for i, name in enumerate(EVICTION_ORDER):
         got = small.results[f"{name}/{i}"]
         assert got["cached"] in (0, full[name]), f"{name}/{i}: partial hit {got['cached']}"
         kind = "hit" if got["cached"] else "cold"
         hits, misses = hits + (kind == "hit"), misses + (kind == "cold")
         assert same(got, reference.results[f"{name}/{kind}"]), f"{name}/{i} differs ({kind})"
-    counts = {k: r.get("connector") for k, r in small.results.items() if r.get("connector")}
+        loaded = (got.get("connector") or {}).get("loaded_blocks")
+        if kind == "hit" and loaded is not None:
+            assert loaded > 0, f"{name}/{i}: a hit the tier did not load; counts {counts}"
     assert hits and misses > 3, (
         f"no eviction happened: {hits} hits, {misses} misses; connector counts {counts}; "
         f"tier {small.report.get('tier_status')}"

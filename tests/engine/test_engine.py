@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tessera_ray.models.hf_tiny import tier_geometry, write_tiny_mla
-from tests.engine._harness import check_eviction_run, full_tokens, same
+from tests.engine._harness import check_eviction_run, eviction_jobs, full_tokens, same
 from tests.engine.conftest import EngineRun, engine_block_sizes, run, run_engine
 
 TIER = 64  # the tier block of MLA (FlashMLA's page) and of full attention
@@ -235,22 +235,14 @@ def test_tier_smaller_than_the_working_set_and_a_killed_pool(
     """A 24-block tier under a 30-block working set evicts; every answer is then either a full
     tier hit or a full recompute, each equal to vLLM's own run of the same kind. Then the tier's
     only pool is killed while the engine serves: it keeps serving, recomputing, no wrong token."""
-    order = ["q1", "q2", "q3", "q3", "q2", "q1"]
-    jobs: list[dict[str, Any]] = [
-        {"name": f"{n}/{i}", "prompt": EVICT[n]} for i, n in enumerate(order)
-    ]
-    jobs += [{"kill_pools": SMALL}]
-    jobs += [
-        {"name": "q3/after-kill", "prompt": EVICT["q3"]},
-        {"name": "q4/after-kill", "prompt": EVICT["q4"]},
-    ]
     spec = {
         "model": str(models["tiny4"]),
         "connector": {"backend": "ray", "ray_namespace": SMALL, "timeout_s": 10.0},
-        "jobs": jobs,
+        "connector_stats": True,
+        "jobs": eviction_jobs(EVICT, SMALL),
     }
     small = run_engine(spec, work, "small-tier")
-    check_eviction_run(small, reference, order, {n: _full(p) for n, p in EVICT.items()})
+    check_eviction_run(small, reference, {n: _full(p) for n, p in EVICT.items()})
 
 
 def test_bad_configuration_fails_at_engine_start_with_one_line(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tessera_ray.models.hf_tiny import write_tiny_gqa
-from tests.engine._harness import check_eviction_run, same
+from tests.engine._harness import check_eviction_run, eviction_jobs, same
 from tests.engine.conftest import EngineRun, hf_tiers, run_engine
 from tests.engine.test_engine import EVICT, PARTIAL, PROMPTS, TIER, _full
 
@@ -112,16 +112,12 @@ def test_eviction_and_a_killed_pool(
     reference, _ = pair
     if reference.report["block_size"] != 128:
         pytest.skip("run once, at the engine's default block size")
-    order = ["q1", "q2", "q3", "q3", "q2", "q1"]
-    jobs: list[dict[str, Any]] = [
-        {"name": f"{n}/{i}", "prompt": EVICT[n], "fresh_cache": True} for i, n in enumerate(order)
-    ]
-    jobs += [{"kill_pools": SMALL}]
-    jobs += [
-        {"name": f"{n}/after-kill", "prompt": EVICT[n], "fresh_cache": True} for n in ("q3", "q4")
-    ]
     connector = {"backend": "ray", "ray_namespace": SMALL, "timeout_s": 10.0}
-    small = run_engine(
-        {"model": str(model), "connector": connector, "jobs": jobs}, work, "gqa-small"
-    )
-    check_eviction_run(small, reference, order, {n: _full(p) for n, p in EVICT.items()})
+    spec = {
+        "model": str(model),
+        "connector": connector,
+        "connector_stats": True,
+        "jobs": eviction_jobs(EVICT, SMALL),
+    }
+    small = run_engine(spec, work, "gqa-small")
+    check_eviction_run(small, reference, {n: _full(p) for n, p in EVICT.items()})

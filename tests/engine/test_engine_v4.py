@@ -25,7 +25,12 @@ from typing import Any
 import pytest
 
 from tessera_ray.models.hf_tiny import write_tiny_v4
-from tests.engine._harness import check_eviction_run, full_tokens, same
+from tests.engine._harness import (
+    check_eviction_run,
+    eviction_jobs,
+    full_tokens,
+    same,
+)
 from tests.engine.conftest import EngineRun, hf_tiers, run, run_engine
 
 TIER = 128  # the V4 tier block: the lcm of the compression strides and FlashMLA's page
@@ -154,23 +159,14 @@ def test_tier_smaller_than_the_working_set_and_a_killed_pool(
     """A tier that holds about one of three prompts (blocks and records) evicts; every answer
     is a full tier hit or a full recompute, each equal to vLLM's own run of that kind. Then the
     tier's only pool is killed while the engine serves: it keeps serving, recomputing."""
-    order = ["q1", "q2", "q3", "q3", "q2", "q1"]
-    jobs: list[dict[str, Any]] = [
-        {"name": f"{n}/{i}", "prompt": EVICT[n]} for i, n in enumerate(order)
-    ]
-    jobs += [{"tier_status": SMALL}, {"kill_pools": SMALL}]
-    jobs += [
-        {"name": "q3/after-kill", "prompt": EVICT["q3"]},
-        {"name": "q4/after-kill", "prompt": EVICT["q4"]},
-    ]
     spec = {
         "model": str(model),
         "connector": {"backend": "ray", "ray_namespace": SMALL, "timeout_s": 10.0},
         "connector_stats": True,
-        "jobs": jobs,
+        "jobs": eviction_jobs(EVICT, SMALL),
     }
     small = run_engine(spec, work, "v4-small-tier")
-    check_eviction_run(small, reference, order, {n: _full(p) for n, p in EVICT.items()})
+    check_eviction_run(small, reference, {n: _full(p) for n, p in EVICT.items()})
 
 
 def test_a_tier_of_another_model_is_refused_at_start_in_one_line(

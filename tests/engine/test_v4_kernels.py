@@ -200,7 +200,14 @@ def test_only_missing_ops_are_registered_and_they_are_callable() -> None:
     kernels.register_missing()
     assert all(hasattr(torch.ops._C, name) for name in kernels.OPS)
     assert kernels.register_missing() == []
-    packed = torch.ops._C.convert_weight_packed(torch.ones(2, 32, 8, dtype=torch.bfloat16))
+    # The packed-weight ops, whichever library answers: vLLM's own (AVX512 builds) packs for
+    # its tiled GEMM and takes only weights whose out and in features are multiples of 32;
+    # the stand-in keeps the plain layout. Small integers make every product and sum exact in
+    # bf16, so both must equal torch's own batched product.
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randint(-2, 3, (2, 32, 64), generator=gen).to(torch.bfloat16)
+    mat1 = torch.randint(-2, 3, (2, 3, 64), generator=gen).to(torch.bfloat16)
+    packed = torch.ops._C.convert_weight_packed(weight)
     out = torch.empty(2, 3, 32, dtype=torch.bfloat16)
-    torch.ops._C.bmm_cpu(out, torch.ones(2, 3, 8, dtype=torch.bfloat16), packed, True, None)
-    assert out.eq(8).all()
+    torch.ops._C.bmm_cpu(out, mat1, packed, True, None)
+    assert torch.equal(out, torch.bmm(mat1.float(), weight.float().transpose(1, 2)).bfloat16())
