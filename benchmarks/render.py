@@ -74,9 +74,20 @@ def row_verdict(row: dict[str, Any]) -> str:
     (``inconclusive`` needs the run's spread), else from its ratio; ``not measured`` without a
     ratio."""
     target, ratio = row.get("target_ratio"), row.get("ratio")
+    if row.get("target_max") is not None:
+        if row.get("value") is None:
+            return "not measured"
+        return row.get("verdict") or ("met" if row["value"] <= row["target_max"] else "MISSED")
     if ratio is None:
         return "not measured"
     return row.get("verdict") or ("met" if ratio >= target else "MISSED")
+
+
+def goal(row: dict[str, Any]) -> str:
+    """A row's target as the tables print it (``""`` where it has none)."""
+    if row.get("target_max") is not None:
+        return f"<= {_fmt(row['target_max'])} {row['unit'].split(',')[0]}"
+    return f">= {_fmt(row['target_ratio'])}" if row.get("target_ratio") is not None else ""
 
 
 def _derived(row: dict[str, Any]) -> str:
@@ -93,12 +104,13 @@ def summary(docs: list[dict[str, Any]]) -> list[str]:
     ]
     for doc in sorted(docs, key=lambda d: d["benchmark"]):
         for r in doc["rows"]:
-            if r.get("target_ratio") is None:
+            if not goal(r):
                 continue
             name = f"{r['name']} (derived)" if r.get("derived_from") else r["name"]
+            measured = r.get("ratio") if r.get("target_max") is None else r.get("value")
             lines.append(
-                f"| {doc['benchmark']} | {name} | {_fmt(r.get('ratio'))} | "
-                f">= {_fmt(r['target_ratio'])} | {row_verdict(r)} | {doc.get('commit') or '?'} |"
+                f"| {doc['benchmark']} | {name} | {_fmt(measured)} | "
+                f"{goal(r)} | {row_verdict(r)} | {doc.get('commit') or '?'} |"
             )
     lines.append("")
     derived = [
@@ -148,15 +160,12 @@ def render(docs: list[dict[str, Any]]) -> str:
         parts.append("| row | value | unit | baseline | baseline value | ratio | target | note |")
         parts.append("|---|---:|---|---|---:|---:|---:|---|")
         for r in doc["rows"]:
-            target = r.get("target_ratio")
-            verdict = row_verdict(r) if target is not None else "met"
-            goal = (">= " + _fmt(target) if target is not None else "") + (
-                "" if verdict == "met" else f" {verdict}"
-            )
+            verdict = row_verdict(r) if goal(r) else "met"
+            target = goal(r) + ("" if verdict == "met" else f" {verdict}")
             note = "; ".join(x for x in (_derived(r), r.get("note", "")) if x)
             parts.append(
                 f"| {r['name']} | {_fmt(r['value'])} | {r['unit']} | {r.get('baseline') or ''} | "
-                f"{_fmt(r.get('baseline_value'))} | {_fmt(r.get('ratio'))} | {goal} | {note} |"
+                f"{_fmt(r.get('baseline_value'))} | {_fmt(r.get('ratio'))} | {target} | {note} |"
             )
         parts.append("")
         for name in doc.get("plots", []):

@@ -124,7 +124,15 @@ def connect_tier(ray_namespace: str, *, address: str | None) -> Deployment:
     """Find a running tier by its actors' names; its layout and settings are asked of a pool
     (never the tenant secret, which no actor hands out)."""
     if not ray.is_initialized():
-        ray.init(address=address or "auto", namespace=ray_namespace, logging_level=logging.ERROR)
+        # log_to_driver off: a process that attaches (an engine's scheduler and workers, a
+        # client) is a Ray driver, and would otherwise stream every worker's log of the whole
+        # cluster to its own output, on a thread of its own.
+        ray.init(
+            address=address or "auto",
+            namespace=ray_namespace,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
     named = [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)

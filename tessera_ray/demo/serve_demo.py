@@ -35,7 +35,7 @@ from tessera_ray.demo.endpoint import (
 from tessera_ray.demo.workload import DemoConfig
 from tessera_ray.serve.routing import RouteReason
 
-__all__ = ["EngineDemoConfig", "run_engine_demo", "run_tier_comparison"]
+__all__ = ["EngineDemoConfig", "run_engine_demo", "run_tier_comparison", "run_idle_comparison"]
 
 REASONS = tuple(r.value for r in RouteReason)
 
@@ -395,3 +395,47 @@ def run_tier_comparison(
         "tier_on": on,
         "comparison": compare(turns_off, turns_on),
     }
+
+
+def run_idle_comparison(
+    config: EngineDemoConfig,
+    measure: Callable[[], dict[str, Any]],
+    work: Path | None = None,
+    requests: int = 3,
+    settle_s: float = 5.0,
+) -> dict[str, Any]:
+    """What the app costs while nobody asks anything: deployed on one cluster with the tier
+    off (vLLM's own caches behind Ray's prefix router) and then on (the connector behind the
+    tier-aware router), each ready, ``requests`` prompts of whole tier blocks served (so the
+    connector has made its first contact with the tier and stored), ``settle_s`` waited, then
+    ``measure()`` called while the app sits idle. Both runs' results, and each run's start."""
+    import openai
+    from ray import serve
+
+    from tessera_ray.serve.llm import openai_app
+
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{config.port}/v1", api_key="unused", max_retries=0
+    )
+    runs = {
+        "tier_off": dataclasses.replace(config, connector=False, router="prefix_affinity"),
+        "tier_on": dataclasses.replace(config, connector=True, router="tessera"),
+    }
+    out: dict[str, Any] = {}
+    with _stack(config, work) as stack:
+        words = 2 * stack.layout.block_tokens  # whitespace-split words: at least a token each
+        for label, run in runs.items():
+            started = time.perf_counter()
+            serve.run(openai_app(_settings(run, stack)), name="llm", blocking=False)
+            try:
+                _wait_ready(client, stack.name, run.start_timeout_s)
+                start_s = time.perf_counter() - started
+                for i in range(requests):
+                    prompt = " ".join(f"w{i}x{j}" for j in range(words))
+                    client.completions.create(model=stack.name, prompt=prompt, max_tokens=1)
+                time.sleep(settle_s)
+                out[label] = {"start_s": start_s, "measured": measure()}
+            finally:
+                serve.delete("llm")
+            time.sleep(settle_s)  # the replicas' processes gone before the next run
+    return out

@@ -168,15 +168,15 @@ class Transport(ABC):
             mapped = None
             if self.capabilities.cross_process:
                 mapped = open_same_node(self.config.same_node, self.node, self.kind, info)
+            # Mapped first, so the backend knows a peer it may never need to reach itself.
+            if mapped is not None:
+                self._mapped.add(info.name, mapped)
             try:
                 self._add_peer(info)
             except BaseException:
-                if mapped is not None:
-                    mapped.close()
+                self._mapped.remove(info.name)
                 raise
             self._peers[info.name] = info
-            if mapped is not None:
-                self._mapped.add(info.name, mapped)
 
     def remove_peers(self, names: Sequence[str]) -> None:
         """Forget peers (a dead or restarted pool), unmapping their memory; unknown names are

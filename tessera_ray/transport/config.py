@@ -50,6 +50,14 @@ class TransportConfig:
     that starves everything else); the pause adds at most itself to a transfer's completion,
     well under an actor round trip (docs/measured-choices.md). 0 restores the spinning
     thread."""
+    nixl_agent_on_demand: bool = False
+    """Start the NIXL agent (and its progress thread) only when something needs it: this
+    transport's metadata asked for, or a peer added that cannot be read through mapped memory.
+    A reader whose peers are all on its node then never runs an agent at all (the vLLM
+    connector's workers, which read from their node's pool). Such a transport publishes no
+    agent in its own peer info until one runs (a reader is read from by nobody). ``False``
+    starts it at once, so a missing backend is refused at construction (what a pool, whose
+    agent its peers read from, wants)."""
 
     same_node: SameNode = "auto"
     """How pages move from a pool on the same node (same Ray node id): ``"auto"`` maps the
@@ -100,6 +108,10 @@ class TransportConfig:
             raise TransportConfigError(
                 f"nixl_progress_delay_us must be an int in [0, 1000000], "
                 f"got {self.nixl_progress_delay_us!r}"
+            )
+        if not isinstance(self.nixl_agent_on_demand, bool):
+            raise TransportConfigError(
+                f"nixl_agent_on_demand must be a bool, got {self.nixl_agent_on_demand!r}"
             )
         if self.nixl_num_threads < 0:
             raise TransportConfigError(

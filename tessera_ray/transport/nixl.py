@@ -91,28 +91,13 @@ class NixlTransport(Transport):
 
     def __init__(self, config: TransportConfig, *, name: str, node: str | None = None) -> None:
         super().__init__(config, name=name, node=node)
-        nixl_agent, nixl_agent_config = import_nixl()
-        try:
-            self._agent = new_agent(
-                nixl_agent,
-                name,
-                nixl_agent_config(
-                    # Required: without it a cross-process READ here never completes (the
-                    # state check does not drive progress).
-                    enable_prog_thread=True,
-                    backends=list(config.nixl_backends),
-                    num_threads=config.nixl_num_threads,
-                ),
-                config.nixl_progress_delay_us,
-            )
-        except Exception as e:
-            raise TransportUnavailableError(f"NIXL agent {name!r} did not start: {e}") from e
-        missing = [b for b in config.nixl_backends if b not in self._agent.backends]
-        if missing:
-            raise TransportUnavailableError(
-                f"NIXL backend(s) {', '.join(missing)} not available (plugins here: "
-                f"{', '.join(self._agent.plugin_list) or 'none'})"
-            )
+        self._nixl = import_nixl()  # refused here, at once, where NIXL is not installed
+        self._agent: Any = None
+        self._pending_pools: tuple[BlockPool, ...] = ()
+        """Pools registered before the agent started (on demand): registered when it starts."""
+        self._mapped_only: set[str] = set()
+        """Peers read through their mapped memory whose NIXL metadata was never loaded (on
+        demand: no agent needed for them)."""
         self._reg: Any = None
         self._local: Any = None
         self._local_offsets: list[int] = []
@@ -122,6 +107,50 @@ class NixlTransport(Transport):
         self._jobs: dict[int, _Job] = {}
         self._mem_type = "DRAM"
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-io-{name}")
+        if not config.nixl_agent_on_demand:
+            try:
+                self._on_io(self._agent_io)
+            except BaseException:
+                self._io.shutdown(wait=False)
+                raise
+
+    def _agent_io(self) -> Any:
+        """The agent, started on first call (I/O thread): its progress thread runs from then
+        on, so an on-demand transport starts it only for a peer that needs it."""
+        if self._agent is not None:
+            return self._agent
+        nixl_agent, nixl_agent_config = self._nixl
+        try:
+            agent = new_agent(
+                nixl_agent,
+                self.name,
+                nixl_agent_config(
+                    # Required: without it a cross-process READ here never completes (the
+                    # state check does not drive progress).
+                    enable_prog_thread=True,
+                    backends=list(self.config.nixl_backends),
+                    num_threads=self.config.nixl_num_threads,
+                ),
+                self.config.nixl_progress_delay_us,
+            )
+        except Exception as e:
+            raise TransportUnavailableError(f"NIXL agent {self.name!r} did not start: {e}") from e
+        missing = [b for b in self.config.nixl_backends if b not in agent.backends]
+        if missing:
+            raise TransportUnavailableError(
+                f"NIXL backend(s) {', '.join(missing)} not available (plugins here: "
+                f"{', '.join(agent.plugin_list) or 'none'})"
+            )
+        self._agent = agent
+        if self._pending_pools:
+            pools, self._pending_pools = self._pending_pools, ()
+            self._register_io(pools)
+        return agent
+
+    @property
+    def agent_started(self) -> bool:
+        """Whether this transport runs a NIXL agent (and its progress thread) now."""
+        return self._agent is not None
 
     def _on_io(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the I/O thread and return its result (keeps the agent single-threaded)."""
@@ -131,6 +160,9 @@ class NixlTransport(Transport):
         self._on_io(lambda: self._register_io(pools))
 
     def _register_io(self, pools: tuple[BlockPool, ...]) -> None:
+        if self._agent is None:  # on demand: registered when the agent starts
+            self._pending_pools = pools
+            return
         mem_type, dev = memory_of(str(pools[0].data.device))
         try:
             self._reg = self._agent.register_memory([p.data for p in pools])
@@ -144,15 +176,30 @@ class NixlTransport(Transport):
 
     def _metadata(self) -> bytes:
         # Taken after registration, so it carries the registered pool memory.
-        return self._on_io(lambda: bytes(self._agent.get_agent_metadata()))
+        if self.config.nixl_agent_on_demand:
+            # A reader's own info is not published: it names no agent until one runs.
+            return self._on_io(lambda: b"" if self._agent is None else self._agent_metadata())
+        return self._on_io(lambda: bytes(self._agent_io().get_agent_metadata()))
+
+    def _agent_metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
 
     def _add_peer(self, info: PeerInfo) -> None:
         self._on_io(lambda: self._add_peer_io(info))
 
     def _add_peer_io(self, info: PeerInfo) -> None:
+        if self._agent is None and info.name in self._mapped.peers:
+            self._mapped_only.add(info.name)  # every read of it is a copy out of its memory
+            return
+        if not info.metadata:
+            raise TransportConfigError(
+                f"peer {info.name!r} publishes no NIXL agent (an on-demand reader that has not "
+                "started one) and is not mapped here: nothing can read from it"
+            )
+        agent = self._agent_io()
         mem_type, dev = memory_of(info.regions[0].device)
         try:
-            loaded = self._agent.add_remote_agent(info.metadata)
+            loaded = agent.add_remote_agent(info.metadata)
         except Exception as e:
             raise TransportError(f"loading NIXL metadata of peer {info.name!r} failed: {e}") from e
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -177,6 +224,9 @@ class NixlTransport(Transport):
         self._on_io(lambda: self._remove_peer_io(name))
 
     def _remove_peer_io(self, name: str) -> None:
+        if name in self._mapped_only or self._agent is None:
+            self._mapped_only.discard(name)
+            return
         handle = self._remote.pop(name, None)
         self._remote_offsets.pop(name, None)
         try:
@@ -379,6 +429,8 @@ class NixlTransport(Transport):
         self._agent = None
 
     def _close_io(self) -> None:
+        if self._agent is None:
+            return
         try:
             if self._local is not None:
                 self._agent.release_dlist_handle(self._local)

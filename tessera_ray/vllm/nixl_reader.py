@@ -50,7 +50,10 @@ class PoolReader:
         self.staging = BlockPool.for_group(
             layout, 0, PoolConfig(num_pages=capacity_blocks * self.layers)
         )
-        self.transport = make_transport(TransportConfig(kind="nixl"), name=name, node=node)
+        # On demand: reading from a pool on this node is a copy out of its mapped memory, and
+        # an engine worker then runs no NIXL agent (no progress thread on the engine's cores).
+        config = TransportConfig(kind="nixl", nixl_agent_on_demand=True)
+        self.transport = make_transport(config, name=name, node=node)
         self.transport.register(self.staging)
         self.transport.add_peers([peer])
         self.peer = peer.name

@@ -10,7 +10,7 @@ engine core and worker processes under it. The spec::
      "connector_stats": bool,
      "jobs": [{"name": str, "prompt": [ids], "salt": str | null, "max_tokens": int,
                "repeat": int, "fresh_cache": bool} | {"kill_pools": ray namespace}
-              | {"tier_status": ray namespace}]}
+              | {"tier_status": ray namespace} | {"idle": str, "idle_s": float}]}
 
 ``connector`` is TesseraConnector's ``kv_connector_extra_config``; ``kv_transfer_config`` names
 another connector whole (vLLM's own, for the benchmark's peers). A job's ``seconds`` is the
@@ -18,6 +18,11 @@ wall time of ``generate`` in this process (first token time with ``max_tokens`` 
 ``repeat``; the tokens and logprobs are the first run's, ``cached`` the first run's cached
 prompt tokens and ``cached_runs`` every run's. ``fresh_cache`` empties vLLM's own
 prefix cache before each run, so that a repeated prompt is a tier hit every time.
+
+An ``idle`` job lets the engine sit (``settle_s``, default 3, then ``idle_s``) and records in
+the output's ``idle[name]`` every process's CPU seconds over the ``idle_s`` window, per kind
+of process (``tests/engine/_proc_cpu.py``), and the window; a generating job with ``"cpu":
+true`` records the same over its runs as ``cpu`` (and ``cpu_window_s``).
 
 A ``tier_status`` job records ``tessera-ray status --json`` of that tier in the output's
 ``tier_status`` (what a failing eviction test shows).
@@ -46,6 +51,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from tests.engine._proc_cpu import cpu_between, cpu_seconds
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -163,6 +170,16 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         if "kill_pools" in job:
             _kill_pools(job["kill_pools"])
             continue
+        if "idle" in job:
+            time.sleep(job.get("settle_s", 3.0))
+            before, t0 = cpu_seconds(), time.perf_counter()
+            time.sleep(job["idle_s"])
+            after, window = cpu_seconds(), time.perf_counter() - t0
+            out.setdefault("idle", {})[job["idle"]] = {
+                "cpu": cpu_between(before, after),
+                "window_s": window,
+            }
+            continue
         if "tier_status" in job:
             out.setdefault("tier_status", {})[job["tier_status"]] = _tier_status(job["tier_status"])
             continue
@@ -176,6 +193,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         if job.get("salt"):
             prompt["cache_salt"] = job["salt"]
         seconds, results = [], []
+        cpu_before, cpu_t0 = (cpu_seconds(), time.perf_counter()) if job.get("cpu") else (None, 0.0)
         for _ in range(job.get("repeat", 1)):
             if job.get("fresh_cache"):
                 llm.reset_prefix_cache()
@@ -193,6 +211,9 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
             "cached_runs": [r.num_cached_tokens or 0 for r in results],
             "seconds": seconds[0] if len(seconds) == 1 else seconds,
         }
+        if cpu_before is not None:
+            out["results"][job["name"]]["cpu"] = cpu_between(cpu_before, cpu_seconds())
+            out["results"][job["name"]]["cpu_window_s"] = time.perf_counter() - cpu_t0
         if spec.get("connector_stats"):
             out["results"][job["name"]]["connector"] = _take_connector_counts(llm)
     return out

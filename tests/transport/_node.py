@@ -73,6 +73,7 @@ class Node:
         ray_node: bool = False,
         shared_memory_dir: str | None = None,
         same_node: str = "auto",
+        nixl_agent_on_demand: bool = False,
     ) -> None:
         sizes = (page_bytes,) if isinstance(page_bytes, int) else page_bytes
         self.pools = [make_pool(num_pages, pb, fingerprint, shared_memory_dir) for pb in sizes]
@@ -83,6 +84,7 @@ class Node:
             fetch_chunk_bytes=fetch_chunk_bytes,
             hash_chunk_bytes=hash_chunk_bytes,
             same_node=same_node,  # type: ignore[arg-type]
+            nixl_agent_on_demand=nixl_agent_on_demand,
         )
         endpoint = None
         if in_actor or ray_node:

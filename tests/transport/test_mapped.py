@@ -79,6 +79,39 @@ def test_same_node_reads_are_copies_out_of_the_mapping_other_nodes_use_nixl(
         node.close()
 
 
+def test_an_on_demand_reader_runs_no_agent_until_a_peer_needs_one(shm_dir: str) -> None:
+    """What an engine worker's reader does: its node's pool is read through the mapping, with
+    no NIXL agent (no progress thread) in the reader's process; a peer it cannot map starts
+    the agent then, and is read over NIXL."""
+    owner = _owner(shm_dir, "node-a")
+    far_owner = _owner(shm_dir, "node-b")
+    reader = Node("nixl", unique("reader"), node="node-a", nixl_agent_on_demand=True)
+    transport = reader.transport
+    assert isinstance(transport, NixlTransport) and not transport.agent_started
+    assert reader.peer_info().metadata == b""  # nothing to publish: no agent yet
+    reader.add_peers([owner.peer_info()])
+    _fetch_ok(owner, reader, 6)
+    assert reader.carrier(owner.info.name) == "mapped" and not transport.agent_started
+    reader.add_peers([far_owner.peer_info()])
+    assert transport.agent_started and reader.carrier(far_owner.info.name) == "nixl"
+    _fetch_ok(far_owner, reader, 5)
+    _fetch_ok(owner, reader, 3)  # the mapped peer stays mapped
+    assert reader.mapped_counts() == (2, 9 * 4096)
+    assert transport.peer_info().metadata  # the agent runs now, and is published
+    for node in (reader, owner, far_owner):
+        node.close()
+
+
+def test_a_reader_without_an_agent_cannot_be_read_from(shm_dir: str) -> None:
+    reader = Node("nixl", unique("reader"), node="node-a", nixl_agent_on_demand=True)
+    other = Node("nixl", unique("other"), node="node-b")
+    with pytest.raises(TransportConfigError, match="publishes no NIXL agent"):
+        other.add_peers([reader.peer_info()])
+    assert not other.transport.peers
+    for node in (reader, other):
+        node.close()
+
+
 def test_a_read_of_many_chunks_lands_every_page_in_order(
     shm_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
