@@ -59,18 +59,27 @@ def hf_tiers(model: Path, blocks: dict[str, int]) -> Iterator[None]:
 
 
 @functools.cache
-def engine_block_sizes(model: Path, asked: tuple[int, ...]) -> dict[int, int]:
-    """The block size vLLM's platform settles on for ``model``, per size asked (one process
-    that builds each engine config, no engine)."""
+def engine_block_sizes(model: Path, asked: tuple[int, ...]) -> dict[int, int | None]:
+    """The block size vLLM's platform settles on for ``model``, per size asked, or ``None``
+    where the attention backend vLLM picks on this CPU refuses it (AMX_MLA takes multiples of
+    32 only; the engine would fail at start). One process that builds each engine config and
+    asks vLLM's own selector, no engine."""
     code = (
         "import sys\n"
+        "from vllm.config import set_current_vllm_config\n"
         "from vllm.engine.arg_utils import EngineArgs\n"
+        "from vllm.v1.attention.selector import get_attn_backend\n"
         "for asked in map(int, sys.argv[2:]):\n"
         "    args = EngineArgs(model=sys.argv[1], block_size=asked, skip_tokenizer_init=True,\n"
         "        kv_transfer_config={'kv_connector': 'TesseraConnector',\n"
         "            'kv_connector_module_path': 'tessera_ray.vllm.connector',\n"
         "            'kv_role': 'kv_both'})\n"
-        "    print('SIZE', asked, args.create_engine_config().cache_config.block_size)\n"
+        "    config = args.create_engine_config()\n"
+        "    model, size = config.model_config, config.cache_config.block_size\n"
+        "    with set_current_vllm_config(config):\n"
+        "        backend = get_attn_backend(model.get_head_size(), model.dtype,\n"
+        "            config.cache_config.cache_dtype, use_mla=model.use_mla)\n"
+        "    print('SIZE', asked, size if backend.supports_block_size(size) else 0)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(model), *map(str, asked)],
@@ -79,7 +88,7 @@ def engine_block_sizes(model: Path, asked: tuple[int, ...]) -> dict[int, int]:
         check=True,
     )
     sizes = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("SIZE ")]
-    return {int(a): int(b) for a, b in sizes}
+    return {int(a): int(b) or None for a, b in sizes}
 
 
 @pytest.fixture(scope="session")
