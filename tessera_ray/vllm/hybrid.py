@@ -163,6 +163,25 @@ class HybridPlanner(SchedulerPlanner):
                 )
         return None, held
 
+    def _record_landing(
+        self,
+        keys: Sequence[TokenKey],
+        found: Sequence[TierHit | None],
+        match: LookupMatch | None,
+        held: int,
+        since: float,
+    ) -> bool:
+        # Every prefix block up to ``held`` is in the tier, but the hit ends at an earlier
+        # record (or nowhere): the record at ``held`` may be landing with the same store.
+        if not held or (match is not None and len(match.keys) == held):
+            return False
+        c = self.resume_chunks
+        at = len(keys) // (1 + c) + (held - 1) * c
+        return any(
+            hit is None and self._landing(key, since)
+            for key, hit in zip(keys[at : at + c], found[at : at + c], strict=True)
+        )
+
     # ---------------------------------------------------------------- loads
 
     def after_alloc_groups(

@@ -26,12 +26,15 @@ A request whose prefix this engine is storing right now (its tier stores run beh
 would otherwise miss the blocks still on their way and recompute them: when the tier's run of
 blocks stops at one whose store is still running (the workers report each step's stores done,
 :meth:`SchedulerPlanner.stores_done`), the planner asks the tier again (answering ``None``
-meanwhile) until the store ends, or ``store_wait_s`` after it was handed over at most.
+meanwhile) until the store ends, or ``store_wait_s`` after it was handed over at most. A lookup
+asked before such a store ended and answered after it is stale: it is asked again, not taken as
+a miss (so is a hybrid prefix whose blocks are in and whose record is still landing).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -178,6 +181,9 @@ class SchedulerPlanner:
         self._storing: dict[TokenKey, int] = {}
         """Keys whose store is still running, to the step's ``save_seq`` that handed them over."""
         self._stores: dict[int, tuple[float, list[TokenKey]]] = {}
+        # When each key's store ended (oldest first): a lookup asked before that moment may
+        # have missed a block that has landed since, and is asked again, not taken as a miss.
+        self._landed: dict[TokenKey, float] = {}
         """Per ``save_seq`` still running, when lookups stop waiting for it and its keys (in
         ``save_seq`` order, so in deadline order too)."""
         self._plain_fingerprint = self._fingerprint(model_name, None)
@@ -271,7 +277,10 @@ class SchedulerPlanner:
         tracked.lookup = None
         prefix = keys[: limit - first]
         match, held = self._matched(tracked, num_computed_tokens, first, keys, found)
-        if self._still_storing(prefix, held):
+        since = pending.started_s
+        if self._still_storing(prefix, held, since) or self._record_landing(
+            keys, found, match, held, since
+        ):
             tracked.relook_s = self._clock() + _RELOOK_S
             self.counters.add(store_waits=1)
             return None
@@ -303,27 +312,55 @@ class SchedulerPlanner:
         self.counters.add(tier_failures=1)
         log.warning("tier lookup failed, treating as a miss: %s", exc)
 
-    def _still_storing(self, keys: Sequence[TokenKey], found: int) -> bool:
-        """Whether the first of ``keys`` the tier did not hold (``keys[found]``) is one this
-        engine is storing and may still land: worth asking again rather than recomputing."""
+    def _still_storing(self, keys: Sequence[TokenKey], found: int, since: float) -> bool:
+        """Whether the first of ``keys`` the tier did not hold (``keys[found]``) may still
+        land, or has landed since a lookup asked at ``since``: worth asking again rather
+        than recomputing."""
         self._forget_expired()
         for key in keys[:found]:
             self._storing.pop(key, None)
-        return found < len(keys) and keys[found] in self._storing
+        return found < len(keys) and self._landing(keys[found], since)
+
+    def _landing(self, key: TokenKey, since: float) -> bool:
+        """Whether this engine is storing ``key``, or its store ended after ``since``."""
+        return key in self._storing or self._landed.get(key, -math.inf) >= since
+
+    def _record_landing(
+        self,
+        keys: Sequence[TokenKey],
+        found: Sequence[TierHit | None],
+        match: LookupMatch | None,
+        held: int,
+        since: float,
+    ) -> bool:
+        """Whether what ends the held prefix beyond the match is still landing: nothing for a
+        model whose hit is its prefix blocks alone (the hybrid planner's resume records)."""
+        return False
 
     def _forget_expired(self) -> None:
         now = self._clock()
+        horizon = now - self.store_wait_s
+        while self._landed:
+            key = next(iter(self._landed))
+            if self._landed[key] >= horizon:
+                break
+            del self._landed[key]
         while self._stores:
             oldest = next(iter(self._stores))
             if self._stores[oldest][0] > now:
                 break
-            self._store_ended(oldest)
+            self._store_ended(oldest, landed=False)
 
-    def _store_ended(self, seq: int) -> None:
+    def _store_ended(self, seq: int, *, landed: bool = True) -> None:
+        """A store ended: reported by the workers (``landed``), or given up on."""
         _, keys = self._stores.pop(seq, (0.0, []))
+        now = self._clock()
         for key in keys:
             if self._storing.get(key) == seq:  # not handed over again by a later step
                 del self._storing[key]
+                self._landed.pop(key, None)  # kept in the order the stores ended
+                if landed:
+                    self._landed[key] = now
 
     def stores_done(self, seqs: Sequence[int]) -> None:
         """Workers finished (stored, or gave up on) the saves of the steps ``seqs``."""

@@ -323,6 +323,34 @@ def test_planner_waits_for_blocks_this_engine_is_still_storing() -> None:
     assert planner.matched_tokens(_Request("c", tokens), 0) == 0
 
 
+def test_planner_asks_again_when_its_store_ended_while_the_lookup_was_out() -> None:
+    """A lookup asked before this engine's store landed and answered after the workers
+    reported the store ended: its miss is stale, so the planner asks again and takes the hit,
+    once; a key whose store ended before the lookup was asked is a plain miss."""
+    tier, clock, tokens = _Tier(), _Clock(), list(range(1, 201))
+    planner = _waiting_planner(tier, clock)
+    planner.matched_tokens(_Request("a", tokens), 0)
+    plan = planner.build([NewScheduled("a", [1, 2, 3, 4], 0, 200)], [])
+    planner.finished("a")
+    again = _Request("b", tokens)
+    tier.hold = True
+    assert planner.matched_tokens(again, 0) is None  # asked while the store is on its way
+    _store_saves(tier, plan)
+    planner.stores_done([plan.save_seq])
+    tier.hold = False
+    tier.release()  # the answer predates the store: a miss
+    clock.now += 0.05
+    calls = tier.calls
+    assert planner.matched_tokens(again, 0) is None  # a stale miss: asked again shortly
+    clock.now += 0.05
+    assert planner.matched_tokens(again, 0) == 192
+    assert tier.calls == calls + 1
+    # The store ended before this lookup was asked: its miss is the tier's answer.
+    tier.held.clear()
+    clock.now += 0.05
+    assert planner.matched_tokens(_Request("c", tokens), 0) == 0
+
+
 def test_planner_stops_waiting_for_a_store_that_never_lands() -> None:
     """A store that was dropped (or evicted at once) is waited on for ``store_wait_s`` at most;
     then the request recomputes. A block another engine stored is never waited on."""

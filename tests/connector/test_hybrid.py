@@ -301,3 +301,20 @@ def test_a_registered_cache_the_layout_does_not_hold_is_refused_by_name() -> Non
     with pytest.raises(LayoutError, match=r"vLLM cache layer.1.csa .* 4 entries of 131 B"):
         mover.register(caches, _layer, GROUP_OF)
     mover.close()
+
+
+def test_a_record_still_landing_is_waited_for_not_taken_as_a_miss() -> None:
+    """This engine's store holds the prefix blocks and their record; a lookup that finds the
+    blocks but not yet the record asks again, and takes the hit once the record is there."""
+    tier = _Tier(set())
+    planner = _planner(tier)
+    ids = {g: A_IDS[g][: -(-len(TOKENS) // GROUPS[g].block_tokens)] for g in A_IDS}
+    assert planner.matched_tokens(_Request("a", TOKENS), 0) == 0
+    plan = planner.build([NewScheduled("a", ids[0], 0, len(TOKENS), (ids[0], ids[1], ids[2]))], [])
+    (save,) = plan.saves
+    tier.held |= set(save.token_keys)  # the blocks are in, the record not yet
+    request = _Request("b", TOKENS)
+    assert planner.matched_tokens(request, 0) is None
+    tier.held |= set(save.resume_keys)
+    time.sleep(0.05)  # past the planner's delay between lookups
+    assert planner.matched_tokens(request, 0) == 16
