@@ -181,11 +181,11 @@ class SchedulerPlanner:
         self._storing: dict[TokenKey, int] = {}
         """Keys whose store is still running, to the step's ``save_seq`` that handed them over."""
         self._stores: dict[int, tuple[float, list[TokenKey]]] = {}
+        """Per ``save_seq`` still running, when lookups stop waiting for it and its keys (in
+        ``save_seq`` order, so in deadline order too)."""
         # When each key's store ended (oldest first): a lookup asked before that moment may
         # have missed a block that has landed since, and is asked again, not taken as a miss.
         self._landed: dict[TokenKey, float] = {}
-        """Per ``save_seq`` still running, when lookups stop waiting for it and its keys (in
-        ``save_seq`` order, so in deadline order too)."""
         self._plain_fingerprint = self._fingerprint(model_name, None)
         self._model_name = model_name
         self._requests: dict[str, TrackedRequest] = {}
