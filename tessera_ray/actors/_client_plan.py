@@ -7,7 +7,8 @@ the client makes the calls and feeds the replies back in here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +114,23 @@ class FetchPlan:
             if not self.pending[key]:
                 self.failed[key] = reason
                 del self.pending[key]
+
+    async def run(
+        self,
+        fetch_from: Callable[[str, list[TokenKey]], Awaitable[Sequence[BlockFailure | None]]],
+        purge: Callable[[str], Awaitable[None]],
+    ) -> FetchResult:
+        """Pull every pending key: one ``fetch_from(owner, keys)`` per owner per round, all at
+        once; an owner found gone is purged (``purge(owner)``) and its keys move on to their
+        next holder. Written once for the client and for a pool pulling for its engine."""
+        while self.pending:
+            by_owner = self.by_owner()
+            answers = await asyncio.gather(*(fetch_from(o, ks) for o, ks in by_owner.items()))
+            for (owner, owner_keys), reasons in zip(by_owner.items(), answers, strict=True):
+                if self.owner_lost(reasons):
+                    await purge(owner)
+                self.settle(owner_keys, reasons)
+        return self.result()
 
     def result(self) -> FetchResult:
         return FetchResult(

@@ -45,6 +45,7 @@ __all__ = [
     "UNREACHABLE",
     "CALL_TIMEOUT_S",
     "shard_name",
+    "start_this_actor",
     "ActorCache",
     "PoolRef",
     "ShardRef",
@@ -72,6 +73,12 @@ T = TypeVar("T")
 
 def shard_name(i: int) -> str:
     return f"{DIR_PREFIX}{i}"
+
+
+def start_this_actor() -> None:
+    """From an actor's constructor: call its own ``ready`` once the constructor returns (what
+    starts its background work), without waiting for the answer."""
+    ray.get_runtime_context().current_actor.ready.remote()
 
 
 class ActorCache:
@@ -158,6 +165,12 @@ class PoolRef:
 
     async def abort(self, reservation_id: int) -> None:
         await self._call("abort", reservation_id, timeout_s=CALL_TIMEOUT_S)
+
+    async def store(
+        self, access: Access, token_keys: Sequence[TokenKey], payloads: np.ndarray | torch.Tensor
+    ) -> list[StoredBlock]:
+        stored = await self._call("store", access, list(token_keys), payloads)
+        return cast(list[StoredBlock], stored)
 
     async def contains(
         self, access: Access, token_keys: Sequence[TokenKey], touch: bool = False

@@ -174,4 +174,8 @@ class BlockWriter:
         check_keys(namespace, token_keys)
         self.payload_rows(payloads, len(token_keys))
         res = await self.reserve(len(token_keys))
-        return await self.commit(res.id, namespace, token_keys, payloads)
+        try:
+            return await self.commit(res.id, namespace, token_keys, payloads)
+        except BaseException:
+            self.abort(res.id)  # a reservation already taken is unknown here: nothing happens
+            raise

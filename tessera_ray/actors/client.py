@@ -15,7 +15,6 @@ every Ray call it causes goes through ``deploy`` or ``_ray_handles`` (a pool's, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -210,18 +209,9 @@ class TesseraClient:
     async def astore(
         self, namespace: Access, token_keys: Sequence[TokenKey], payloads: np.ndarray, *, pool: str
     ) -> list[StoredBlock]:
-        """Two-phase store into ``pool``: reserve, then commit (the pool registers the blocks
-        with the directory); a failed commit aborts the reservation."""
-        actor = self.pool_ref(pool)
-        res = await actor.reserve(len(token_keys))
-        try:
-            return await actor.commit(res.id, namespace, list(token_keys), payloads)
-        except BaseException:
-            # Awaited, so a refused store has returned its slots when the error reaches the
-            # caller (the lease would return them anyway, later).
-            with contextlib.suppress(PoolUnavailableError):
-                await actor.abort(res.id)
-            raise
+        """Store into ``pool`` in one call (the pool reserves, writes, seals and registers the
+        blocks with the directory; a failed store returns its slots)."""
+        return await self.pool_ref(pool).store(namespace, list(token_keys), payloads)
 
     async def alookup(
         self, namespace: Access, token_keys: Sequence[TokenKey], *, strict: bool = False
@@ -262,16 +252,9 @@ class TesseraClient:
             # Confirm the local hits (the directory may lag an eviction) and mark them used, so
             # the pool keeps them over older blocks; a stale one is pulled like any other.
             plan.confirm_local(await target.contains(namespace, plan.local, True))
-        while plan.pending:
-            by_owner = plan.by_owner()
-            answers = await asyncio.gather(
-                *(target.fetch_from(o, namespace, ks) for o, ks in by_owner.items())
-            )
-            for (owner, owner_keys), reasons in zip(by_owner.items(), answers, strict=True):
-                if plan.owner_lost(reasons):
-                    await self.apurge_pool(owner)
-                plan.settle(owner_keys, reasons)
-        return plan.result()
+        return await plan.run(
+            lambda owner, keys: target.fetch_from(owner, namespace, keys), self.apurge_pool
+        )
 
     async def aattend(
         self,

@@ -124,6 +124,16 @@ class BlockReads:
             raise ValueError(f"{held} blocks held, {len(payloads)} payload rows")
         return cls(tuple(block_hashes), payloads, tuple(rows), verified, carrier)
 
+    @classmethod
+    def joined(cls, parts: Sequence[BlockReads]) -> BlockReads:
+        """Reads of consecutive runs of keys as one (a single part is returned as it is)."""
+        if len(parts) == 1:
+            return parts[0]
+        hashes = [h for part in parts for h in part.block_hashes]
+        payloads = np.concatenate([part.payloads for part in parts])
+        verified = all(part.verified for part in parts)
+        return cls.of(hashes, payloads, verified=verified, carrier=parts[0].carrier)
+
     def __len__(self) -> int:
         return len(self.block_hashes)
 

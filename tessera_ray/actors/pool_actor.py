@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 
 import numpy as np
 import ray
 import torch
 
 from tessera_ray.actors._heap import freeze_startup_heap
-from tessera_ray.actors._pool_runtime import every, reap_forever, serve_pin_channel
-from tessera_ray.actors._ray_handles import ActorCache, ShardRef
+from tessera_ray.actors._pool_runtime import EngineSide, every, reap_forever, serve_channel
+from tessera_ray.actors._ray_handles import ActorCache, ShardRef, start_this_actor
+from tessera_ray.actors.announce import PoolAnnouncement, announce
 from tessera_ray.actors.channel import ChannelAddress, ChannelServer
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import Registration, Tier
@@ -109,13 +111,24 @@ class PoolActor:
                         f"pool {name}: transport.same_node='mapped' needs NIXL here, which did "
                         "not start (see the logged fallback); use same_node='auto'"
                     )
-        self._started = False
+        self._starting: asyncio.Future[None] | None = None
+        # Start at once, not at the first call: a process Ray restarted is called by no one
+        # until a caller notices, and engines on this node reach it only through the channel
+        # it announces when it starts (the call runs once this constructor returns).
+        start_this_actor()
 
     async def _start(self) -> None:
-        # Background work starts on the first call: an async actor's __init__ has no loop yet.
-        if self._started:
-            return
-        self._started = True
+        """Start the background work once; every call waits until it has started (the first
+        call may still be starting it when the next arrives)."""
+        # On the first call: an async actor's __init__ has no loop yet.
+        starting = self._starting
+        if starting is None or (starting.done() and starting.exception() is not None):
+            # Not started, or the last start failed (a shard down, a disk that refused): try
+            # again, so the failure reaches this caller rather than only a log.
+            starting = self._starting = asyncio.ensure_future(self._start_once())
+        await asyncio.shield(starting)
+
+    async def _start_once(self) -> None:
         name = self.svc.name
         # This process holds nothing in memory yet: replicas a previous incarnation registered
         # under this name are stale.
@@ -125,12 +138,35 @@ class PoolActor:
         await self.svc.reopen_disk()
         if self.svc.config.pin_channel:
             host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-            self._channel_server = await serve_pin_channel(self.svc, host)
+            engine = EngineSide(
+                self.svc,
+                self.directory,
+                lambda owner, access, keys: self.fetcher.fetch(owner, access, keys, 30.0),
+                self.directory.purge,
+                describe=self._describe,
+                peer=lambda: self.peer,
+            )
+            self._channel_server = await serve_channel(self.svc, host, engine)
+            self._announce()
         loop = asyncio.get_running_loop()
         export = every(self.svc.config.metrics_interval_s, f"pool {name} export", self._export)
         self._tasks = [loop.create_task(reap_forever(self.svc)), loop.create_task(export)]
         frozen = freeze_startup_heap()  # full collections would walk it all (see _heap)
         log.debug("pool %s: %d start-up objects frozen out of garbage collection", name, frozen)
+
+    def _announce(self) -> None:
+        """Tell processes on this node where the channel is (engines reach the tier through
+        it without joining Ray: :mod:`~tessera_ray.actors.announce`)."""
+        server = self._channel_server
+        if server is None or server.address is None:
+            return
+        entry = PoolAnnouncement(
+            self.ray_namespace, self.svc.name, self.svc.node, server.address, os.getpid()
+        )
+        try:
+            announce(entry)
+        except OSError as e:  # engines on this node then find the pool through Ray
+            log.warning("pool %s: could not announce its channel on this node: %s", entry.pool, e)
 
     async def channel(self) -> ChannelAddress | None:
         """Where readers ask this pool to pin and unpin without a Ray call (``None``: nowhere)."""
@@ -159,6 +195,9 @@ class PoolActor:
 
     async def describe(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
         """The layout, settings and shard count this pool runs with (for clients that connect)."""
+        return self._describe()
+
+    def _describe(self) -> tuple[ModelLayout, PoolServiceConfig, int]:
         return self.svc.layout, self.svc.config, self.num_shards
 
     # ------------------------------------------------------------------ PoolApi (see pool_api)
@@ -179,6 +218,12 @@ class PoolActor:
 
     async def abort(self, reservation_id: int) -> None:
         self.svc.abort(reservation_id)
+
+    async def store(
+        self, access: Access, token_keys: list[TokenKey], payloads: np.ndarray | torch.Tensor
+    ) -> list[StoredBlock]:
+        await self._start()
+        return await self.svc.store(access, token_keys, payloads)
 
     async def contains(
         self, access: Access, token_keys: list[TokenKey], touch: bool = False

@@ -25,7 +25,7 @@ methods (``abort``, ``unpin``, ``contains``, ``read_pinned``, ``attend``, ``inve
 inside the callback that read the request) get their answer without a turn of the event loop,
 and the actor shell, whose methods are all coroutines, wraps them.
 
-Not here: what only a caller in the pool's own process uses (``store``, ``install``,
+Not here: what only a caller in the pool's own process uses (``install``,
 ``fetch_pinned``, ``pin_resident``, ``resident_hashes``: the pool service's), and the shell's
 own calls, which the service has no part in (``fetch_from``, a pull driven by the actor's
 fetcher; ``channel``, ``peer_info``, ``health``, ``describe``, ``flush_metrics``).
@@ -61,7 +61,7 @@ DEADLINE = "timeout_s"
 class PoolApi(Protocol):
     """One pool's verbs, batched: lists in, aligned lists out."""
 
-    # ------------------------------------------------------------------ store, two-phase
+    # ------------------------------------------------------------------ store
 
     async def reserve(self, num_blocks: int, lease_s: float | None = None) -> Reservation:
         """Slots for ``num_blocks`` blocks under a lease, evicting old blocks if memory is
@@ -81,6 +81,13 @@ class PoolApi(Protocol):
 
     async def abort(self, reservation_id: int) -> None:
         """Return a reservation's slots (an unknown or expired one: nothing happens)."""
+        ...
+
+    async def store(
+        self, access: Access, token_keys: Sequence[TokenKey], payloads: np.ndarray | torch.Tensor
+    ) -> list[StoredBlock]:
+        """:meth:`reserve` and :meth:`commit` in one call, for a caller that holds the bytes:
+        one round trip instead of two (a failed store returns its slots)."""
         ...
 
     # ------------------------------------------------------------------ read

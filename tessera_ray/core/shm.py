@@ -40,6 +40,7 @@ from tessera_ray.errors import PeerMappingError, PoolConfigError, PoolMemoryErro
 __all__ = [
     "SlabInfo",
     "SlabMapping",
+    "is_slab_path",
     "shared_host_zeros",
     "slab_of",
     "sweep_dead_slabs",
@@ -180,6 +181,19 @@ def _release(address: int, fd: int, path: str, mapping: mmap.mmap, pinned: bool)
     del mapping  # unmapped once the view that holds it goes too
 
 
+def is_slab_path(path: str, directory: str) -> bool:
+    """Whether ``path`` names a slab file :func:`shared_host_zeros` made in ``directory`` (a
+    process asked to map a slab by path maps nothing else)."""
+    head, name = os.path.split(path)
+    match = _NAME.match(name)
+    if match is None or match.group(3):
+        return False
+    try:
+        return os.path.samefile(head, directory)
+    except OSError:
+        return False
+
+
 def sweep_dead_slabs(directory: str) -> int:
     """Remove the slab files of ``directory`` no process holds (their owners died without
     unlinking them); returns how many. Files of other users are left alone."""
@@ -216,24 +230,27 @@ def sweep_dead_slabs(directory: str) -> int:
 
 
 class SlabMapping:
-    """A read-only mapping of another pool's slab (reader side), made once per peer.
+    """A mapping of another process's slab (reader side), made once per peer, read-only unless
+    asked otherwise.
 
     Raises :class:`PeerMappingError` when the file cannot be opened (absent: another
     container; no rights) or is not the size its descriptor says.
     """
 
-    def __init__(self, info: SlabInfo) -> None:
+    def __init__(self, info: SlabInfo, *, writable: bool = False) -> None:
+        """``writable``: map it for writing too (a pool answering into an engine's slab)."""
         if info.nbytes != info.num_pages * info.page_bytes or info.nbytes <= 0:
             raise PeerMappingError(f"slab descriptor of {info.path} is inconsistent: {info}")
         try:
-            fd = os.open(info.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(info.path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         except OSError as e:
             raise PeerMappingError(f"cannot open {info.path}: {e.strerror}") from e
         try:
             size = os.fstat(fd).st_size
             if size != info.nbytes:
                 raise PeerMappingError(f"{info.path} holds {size:,} B, not {info.nbytes:,} B")
-            mapping = mmap.mmap(fd, info.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mapping = mmap.mmap(fd, info.nbytes, flags=mmap.MAP_SHARED, prot=prot)
         except BaseException as e:
             os.close(fd)
             if isinstance(e, OSError) and not isinstance(e, PeerMappingError):
@@ -243,8 +260,9 @@ class SlabMapping:
         self._fd = fd
         self._mapping = mapping
         self._bytes: np.ndarray | None = np.frombuffer(mapping, dtype=np.uint8)
+        self.writable = writable
         self.address = int(self._bytes.ctypes.data)
-        """Address of page 0 in this process (read-only memory)."""
+        """Address of page 0 in this process (read-only memory unless ``writable``)."""
 
     @property
     def closed(self) -> bool:
@@ -256,6 +274,16 @@ class SlabMapping:
             raise PeerMappingError(f"the mapping of {self.info.path} is closed")
         pb = self.info.page_bytes
         return self._bytes[index * pb : (index + 1) * pb].data
+
+    def pages(self, count: int) -> np.ndarray:
+        """The first ``count`` pages, ``uint8 [count, page_bytes]``, in place (read-only unless
+        the mapping is ``writable``)."""
+        if self._bytes is None:
+            raise PeerMappingError(f"the mapping of {self.info.path} is closed")
+        if not 0 <= count <= self.info.num_pages:
+            raise PeerMappingError(f"{count} pages of a slab of {self.info.num_pages}")
+        pb = self.info.page_bytes
+        return self._bytes[: count * pb].reshape(count, pb)
 
     def owner_alive(self) -> bool:
         """Whether the slab's owner process still holds it (see the module docstring)."""

@@ -35,7 +35,13 @@ from tessera_ray.demo.endpoint import (
 from tessera_ray.demo.workload import DemoConfig
 from tessera_ray.serve.routing import RouteReason
 
-__all__ = ["EngineDemoConfig", "run_engine_demo", "run_tier_comparison", "run_idle_comparison"]
+__all__ = [
+    "AppEndpoint",
+    "EngineDemoConfig",
+    "run_engine_demo",
+    "run_tier_comparison",
+    "run_app_comparison",
+]
 
 REASONS = tuple(r.value for r in RouteReason)
 
@@ -397,26 +403,37 @@ def run_tier_comparison(
     }
 
 
-def run_idle_comparison(
+@dataclass(frozen=True)
+class AppEndpoint:
+    """The deployed app, as a client that measures it reaches it."""
+
+    base_url: str
+    """``http://127.0.0.1:<port>`` (the OpenAI routes are under ``/v1``)."""
+    model: str
+    """The served model's name."""
+    model_path: Path
+    """The model's directory (its tokenizer, for a client that makes prompts)."""
+
+
+def run_app_comparison(
     config: EngineDemoConfig,
-    measure: Callable[[], dict[str, Any]],
+    measure: Callable[[AppEndpoint], dict[str, Any]],
     work: Path | None = None,
     requests: int = 3,
     settle_s: float = 5.0,
 ) -> dict[str, Any]:
-    """What the app costs while nobody asks anything: deployed on one cluster with the tier
-    off (vLLM's own caches behind Ray's prefix router) and then on (the connector behind the
-    tier-aware router), each ready, ``requests`` prompts of whole tier blocks served (so the
-    connector has made its first contact with the tier and stored), ``settle_s`` waited, then
-    ``measure()`` called while the app sits idle. Both runs' results, and each run's start."""
+    """The app deployed on one cluster with the tier off (vLLM's own caches behind Ray's prefix
+    router) and then on (the connector behind the tier-aware router), each ready, ``requests``
+    prompts of whole tier blocks served (so the connector has made its first contact with the
+    tier and stored), ``settle_s`` waited, then ``measure(endpoint)`` called (idle, or driving
+    it with a client). Both runs' results, and each run's start."""
     import openai
     from ray import serve
 
     from tessera_ray.serve.llm import openai_app
 
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{config.port}/v1", api_key="unused", max_retries=0
-    )
+    base_url = f"http://127.0.0.1:{config.port}"
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     runs = {
         "tier_off": dataclasses.replace(config, connector=False, router="prefix_affinity"),
         "tier_on": dataclasses.replace(config, connector=True, router="tessera"),
@@ -424,6 +441,7 @@ def run_idle_comparison(
     out: dict[str, Any] = {}
     with _stack(config, work) as stack:
         words = 2 * stack.layout.block_tokens  # whitespace-split words: at least a token each
+        endpoint = AppEndpoint(base_url, stack.name, stack.model)
         for label, run in runs.items():
             started = time.perf_counter()
             serve.run(openai_app(_settings(run, stack)), name="llm", blocking=False)
@@ -434,7 +452,7 @@ def run_idle_comparison(
                     prompt = " ".join(f"w{i}x{j}" for j in range(words))
                     client.completions.create(model=stack.name, prompt=prompt, max_tokens=1)
                 time.sleep(settle_s)
-                out[label] = {"start_s": start_s, "measured": measure()}
+                out[label] = {"start_s": start_s, "measured": measure(endpoint)}
             finally:
                 serve.delete("llm")
             time.sleep(settle_s)  # the replicas' processes gone before the next run

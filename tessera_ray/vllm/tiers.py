@@ -1,6 +1,8 @@
 """The tier backends the connector opens by config: :class:`LocalTier` (the core engine in this
-process, no Ray) and :class:`~tessera_ray.vllm.ray_tier.RayTier` (the running tier on a Ray
-cluster).
+process, no Ray), and for the running tier on a Ray cluster
+:class:`~tessera_ray.vllm.node_tier.NodeTier` (over the channel of the pool on this node, no Ray
+in the engine) or, where no pool of the tier is announced on this node,
+:class:`~tessera_ray.vllm.ray_tier.RayTier` (a Ray driver).
 
 vLLM's scheduler and a ``uni`` executor's worker live in one process, so their connectors share
 one :class:`LocalTier` (:func:`shared_local_tier`). Both backends run their coroutines on the
@@ -106,7 +108,13 @@ def open_tier(config: TesseraConnectorConfig, local_layout: ModelLayout) -> Tier
     """The backend ``config`` names; ``local_layout`` is the in-process tier's layout."""
     if config.backend == "local":
         return shared_local_tier(local_layout, config)
-    # Imported here: the Ray backend's module joins Ray, the local one runs without it.
+    from tessera_ray.vllm.node_tier import NodeTier, announced_pool
+
+    entry = announced_pool(config)
+    if entry is not None:
+        log.info("connector: pool %s over its channel (this process does not join Ray)", entry.pool)
+        return NodeTier(config, entry)
+    # Imported here: only this road joins Ray.
     from tessera_ray.vllm.ray_tier import RayTier
 
     return RayTier(config)

@@ -14,15 +14,13 @@ import pytest
 import ray
 
 from tessera_ray.actors.client import TesseraClient
-from tessera_ray.actors.config import PoolServiceConfig, TierConfig
-from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.transport import TransportConfig
 from tessera_ray.vllm.connector import TesseraConnectorConfig
 from tessera_ray.vllm.keys import payload_block_hash
 from tessera_ray.vllm.ray_tier import RayTier
 from tests.actors.test_cluster import _rot
 from tests.conftest import SimCluster
+from tests.connector._two_pools import random_blocks, two_pool_tier
 
 pytestmark = pytest.mark.ray
 
@@ -33,22 +31,11 @@ NS = "vllm"
 
 @pytest.fixture(scope="module")
 def tier(tessera_cluster: SimCluster) -> Iterator[TesseraClient]:
-    config = TierConfig(
-        model=LAYOUT.model,
-        pool=PoolServiceConfig(num_blocks=16, transport=TransportConfig(kind="nixl")),
-        num_shards=1,
-        ray_namespace=RAY_NS,
-    )
-    # One pool on this process's node (the head) and one on another simulated node.
-    client = TesseraClient.start(config, layout=LAYOUT, pools_on=tessera_cluster.node_ids[:2])
-    yield client
-    client.stop()
+    yield from two_pool_tier(tessera_cluster, LAYOUT, RAY_NS, num_blocks=16, shards=1)
 
 
 def _blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
-    keys = [token_key(NS, LAYOUT.fingerprint, None, [seed, i] * 32) for i in range(n)]
-    rows = np.random.default_rng(seed).integers(0, 256, (n, LAYOUT.block_bytes), dtype=np.uint8)
-    return keys, rows
+    return random_blocks(LAYOUT, NS, n, seed)
 
 
 def test_reads_from_this_nodes_pool_copy_its_mapped_memory_and_match_the_seal(

@@ -17,13 +17,11 @@ import pytest
 from tessera_ray.actors._ray_handles import DIR_PREFIX, ActorCache
 from tessera_ray.actors.channel import ChannelClient
 from tessera_ray.actors.client import TesseraClient
-from tessera_ray.actors.config import PoolServiceConfig, TierConfig
-from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.transport import TransportConfig
 from tessera_ray.vllm.config import TesseraConnectorConfig
 from tessera_ray.vllm.ray_tier import RayTier
 from tests.conftest import SimCluster
+from tests.connector._two_pools import random_blocks, two_pool_tier
 
 pytestmark = pytest.mark.ray
 
@@ -34,15 +32,7 @@ NS = "vllm"
 
 @pytest.fixture(scope="module")
 def tier(tessera_cluster: SimCluster) -> Iterator[TesseraClient]:
-    config = TierConfig(
-        model=LAYOUT.model,
-        pool=PoolServiceConfig(num_blocks=32, transport=TransportConfig(kind="nixl")),
-        num_shards=2,
-        ray_namespace=RAY_NS,
-    )
-    client = TesseraClient.start(config, layout=LAYOUT, pools_on=tessera_cluster.node_ids[:2])
-    yield client
-    client.stop()
+    yield from two_pool_tier(tessera_cluster, LAYOUT, RAY_NS, num_blocks=32, shards=2)
 
 
 class _Calls:
@@ -86,10 +76,8 @@ class _Calls:
         return counts
 
 
-def _blocks(n: int, seed: int) -> tuple[list[Any], np.ndarray]:
-    keys = [token_key(NS, LAYOUT.fingerprint, None, [seed, i] * 32) for i in range(n)]
-    rows = np.random.default_rng(seed).integers(0, 256, (n, LAYOUT.block_bytes), dtype=np.uint8)
-    return keys, rows
+def _blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
+    return random_blocks(LAYOUT, NS, n, seed)
 
 
 @pytest.mark.parametrize("staging_bytes", [1 << 20, 0], ids=["nixl", "object-store"])

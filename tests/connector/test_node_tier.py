@@ -1,0 +1,248 @@
+"""The connector's road to the tier without Ray (``NodeTier``): an engine process on a pool's
+node finds the pool's announcement, reaches the whole tier over that one channel (lookups,
+pulls of blocks held elsewhere, pins and a read out of the pool's mapped memory, one-call
+stores), never imports Ray, and reaches a restarted pool through its new announcement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+from tessera_ray.actors._ray_handles import PoolRef
+from tessera_ray.actors.channel import ChannelClient
+from tessera_ray.actors.client import TesseraClient
+from tessera_ray.actors.directory import Holder, Tier
+from tessera_ray.actors.pool_link import PoolLink
+from tessera_ray.layout import MLAConfig, build_layout
+from tessera_ray.vllm import node_tier
+from tessera_ray.vllm.backend import TierUnavailableError
+from tessera_ray.vllm.config import TesseraConnectorConfig
+from tessera_ray.vllm.keys import payload_block_hash
+from tessera_ray.vllm.node_tier import NodeTier, announced_pool
+from tessera_ray.vllm.tiers import open_tier
+from tests.conftest import ROOT, SimCluster
+from tests.connector._two_pools import random_blocks, two_pool_tier
+
+pytestmark = pytest.mark.ray
+
+LAYOUT = build_layout(MLAConfig(name="tiny-mla-node-tier", num_layers=2, num_heads=4))
+RAY_NS = "tessera-connector-node-tier"
+NS = "vllm"
+
+
+@pytest.fixture(scope="module")
+def tier(tessera_cluster: SimCluster) -> Iterator[TesseraClient]:
+    yield from two_pool_tier(tessera_cluster, LAYOUT, RAY_NS, num_blocks=32, shards=2)
+
+
+def _blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
+    return random_blocks(LAYOUT, NS, n, seed)
+
+
+def _served(client: TesseraClient, pool: str) -> dict[str, int]:
+    """What pool ``pool``'s channel served so far, by op."""
+    actor = client.pool(pool)
+    return dict(ray.get(actor.__ray_call__.remote(lambda self: self._channel_server.served)))
+
+
+def _node_tier(pool: str, **extra: Any) -> NodeTier:
+    config = TesseraConnectorConfig(ray_namespace=RAY_NS, pool=pool, **extra)
+    entry = announced_pool(config)
+    assert entry is not None, f"pool {pool} announced no channel on this machine"
+    return NodeTier(config, entry)
+
+
+def test_an_engine_process_reaches_the_tier_without_ever_importing_ray(
+    tier: TesseraClient,
+) -> None:
+    pool = tier.pools[0]
+    script = f"""
+import json, sys
+import numpy as np
+from tessera_ray.core import token_key
+from tessera_ray.vllm.config import TesseraConnectorConfig
+from tessera_ray.vllm.tiers import open_tier
+config = TesseraConnectorConfig(ray_namespace={RAY_NS!r}, pool={pool!r})
+t = open_tier(config, None)
+keys = [token_key("vllm", t.layout.fingerprint, None, [7, i] * 32) for i in range(3)]
+rows = np.random.default_rng(7).integers(0, 256, (3, t.layout.block_bytes), dtype=np.uint8)
+t.store("vllm", keys, rows)
+hits = t.lookup("vllm", keys)
+t.prepare_reads()
+got = t.read("vllm", keys, hits)
+print(json.dumps({{
+    "road": type(t).__name__,
+    "hits": [h is not None for h in hits],
+    "equal": bool(np.array_equal(np.stack([g.payload for g in got]), rows)),
+    "carrier": got.carrier,
+    "verified": got.verified,
+    "ray": sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")),
+}}))
+t.release_reads()
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_MODULES": "^ib"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["road"] == "NodeTier"
+    assert seen["hits"] == [True, True, True]
+    assert seen["equal"] and seen["verified"]
+    assert seen["carrier"] == "mapped"
+    assert seen["ray"] == [], "the engine's process imported Ray"
+
+
+def test_a_store_is_one_call_to_the_pool(tier: TesseraClient) -> None:
+    pool = tier.pools[0]
+    road = _node_tier(pool)
+    keys, rows = _blocks(5, 11)
+    before = _served(tier, pool)
+    road.store(NS, keys, rows)
+    after = _served(tier, pool)
+    # The bytes went through this engine's slab, which the pool mapped: one call, no bytes in it.
+    assert after.get("store_mapped", 0) - before.get("store_mapped", 0) == 1
+    assert sum(after.values()) - sum(before.values()) == 1, (before, after)
+    assert road._store_slab.get() is not None
+    # Stored under the bytes' own hashes, and read back equal.
+    got = tier.read(NS, keys, pool=pool)
+    assert all(np.array_equal(g, r) for g, r in zip(got, rows, strict=True))
+    found = road.lookup(NS, keys)
+    assert [f.block_hash for f in found if f] == [payload_block_hash(LAYOUT, NS, r) for r in rows]
+
+
+def test_the_connector_holds_one_handle_to_its_pool(tier: TesseraClient) -> None:
+    road = _node_tier(tier.pools[0])
+    road.prepare_reads()
+    keys, rows = _blocks(2, 17)
+    road.store(NS, keys, rows)
+    road.read(NS, keys, road.lookup(NS, keys))
+    handles = [
+        v
+        for v in vars(road).values()
+        if isinstance(v, ChannelClient | PoolLink | PoolRef | TesseraClient)
+    ]
+    assert [type(h) for h in handles] == [ChannelClient]
+    road.release_reads()
+
+
+def test_a_slab_outside_the_pools_shared_memory_is_refused_and_the_bytes_travel_instead(
+    tier: TesseraClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = tier.pools[0]
+    monkeypatch.setattr(node_tier, "SHM_DIR", str(tmp_path))  # not the pool's directory
+    road = _node_tier(pool)
+    keys, rows = _blocks(3, 16)
+    before = _served(tier, pool)
+    road.store(NS, keys, rows)
+    after = _served(tier, pool)
+    assert after.get("store_mapped", 0) - before.get("store_mapped", 0) == 1  # refused
+    assert after.get("store", 0) - before.get("store", 0) == 1  # the bytes in the call
+    assert road._store_slab.get() is None
+    got = tier.read(NS, keys, pool=pool)
+    assert all(np.array_equal(g, r) for g, r in zip(got, rows, strict=True))
+
+
+def _held_there(tier: TesseraClient, n: int, seed: int) -> tuple[NodeTier, list[bytes], Any, Any]:
+    """Blocks only the other node's pool holds, and this node's road with its lookup of them."""
+    keys, rows = _blocks(n, seed)
+    tier.store(NS, keys, rows, pool=tier.pools[1])
+    road = _node_tier(tier.pools[0])
+    hits = road.lookup(NS, keys)  # the scheduler's lookup
+    assert all(h is not None and h.holders == (Holder(tier.pools[1], Tier.MEMORY),) for h in hits)
+    return road, keys, rows, hits
+
+
+def test_a_hit_held_only_on_another_pool_is_pulled_into_this_one_then_read(
+    tier: TesseraClient,
+) -> None:
+    here, there = tier.pools[0], tier.pools[1]
+    pins_there = _served(tier, there).get("pin", 0)
+    road, keys, rows, hits = _held_there(tier, 3, 12)
+    road.prepare_reads()
+    before = _served(tier, here)
+    got = road.read(NS, keys, hits)
+    after = _served(tier, here)
+    assert _served(tier, there).get("pin", 0) > pins_there  # pulled from there, over its channel
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
+    assert got.verified
+    assert after.get("pull", 0) - before.get("pull", 0) == 1
+    # Now held here: the next lookup is answered by this pool alone.
+    again = road.lookup(NS, keys)
+    assert all(h is not None and Holder(here, Tier.MEMORY) in h.holders for h in again)
+    road.release_reads()
+
+
+def test_the_pull_starts_when_the_lookup_is_answered_before_the_worker_asks(
+    tier: TesseraClient,
+) -> None:
+    here, there = tier.pools[0], tier.pools[1]
+    road, keys, rows, hits = _held_there(tier, 4, 15)  # no read follows the lookup yet
+    deadline = time.monotonic() + 10
+    while ray.get(tier.pool(here).contains.remote(NS, keys)) != [Tier.MEMORY] * len(keys):
+        assert time.monotonic() < deadline, "the lookup started no pull into this node's pool"
+        time.sleep(0.05)
+    # The worker's read then moves nothing between pools: every block is here already, and
+    # the other pool is not asked to pin anything again.
+    road.prepare_reads()
+    pins_there = _served(tier, there).get("pin", 0)
+    got = road.read(NS, keys, hits)
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
+    assert _served(tier, there).get("pin", 0) == pins_there
+    road.release_reads()
+
+
+@pytest.mark.parametrize("through", ["slabs", "calls"])
+def test_reads_and_stores_larger_than_a_slab_or_a_frame_go_in_runs(
+    tier: TesseraClient, through: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = tier.pools[0]
+    if through == "calls":  # no slab can be made: the bytes travel in the calls
+        monkeypatch.setattr(node_tier, "SHM_DIR", str(tmp_path / "absent"))
+    road = _node_tier(pool, nixl_staging_bytes=0)  # no mapped reader: reads are answered
+    road._rows_per_call = road._store_slab.rows = road._read_slab.rows = 2  # runs of two
+    keys, rows = _blocks(5, 13)
+    before = _served(tier, pool)
+    road.store(NS, keys[:4], rows[:4])
+    got = road.read(NS, keys)  # the fifth was never stored
+    after = _served(tier, pool)
+    assert [g is None for g in got] == [False, False, False, False, True]
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows[:4])
+    ops = ("store_mapped", "read_into") if through == "slabs" else ("store", "read_blocks")
+    assert [after.get(op, 0) - before.get(op, 0) for op in ops] == [2, 3]
+
+
+def test_a_restarted_pool_is_reached_through_its_new_announcement(tier: TesseraClient) -> None:
+    pool = tier.pools[0]
+    road = _node_tier(pool)
+    keys, rows = _blocks(2, 14)
+    road.store(NS, keys, rows)
+    old = road._entry
+    ray.kill(tier.pool(pool), no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            road.store(NS, keys, rows)  # lands in the new process (which holds nothing yet)
+            break
+        except TierUnavailableError:
+            assert time.monotonic() < deadline, "the restarted pool was never reached again"
+            time.sleep(0.5)
+    assert road._entry.pid != old.pid and road._entry.address != old.address
+    assert all(h is not None for h in road.lookup(NS, keys))
+
+
+def test_without_an_announcement_the_connector_joins_ray_instead(tier: TesseraClient) -> None:
+    config = TesseraConnectorConfig(ray_namespace=RAY_NS, pool="no-such-pool-here")
+    assert announced_pool(config) is None
+    with pytest.raises(Exception, match="no-such-pool-here"):
+        open_tier(config, LAYOUT)  # the Ray road, which knows no such pool either
