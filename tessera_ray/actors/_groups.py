@@ -275,16 +275,28 @@ class LayerGroups:
             ),
         )
 
-    def gather(self, blocks: Sequence[Handles]) -> np.ndarray:
+    def gather(self, blocks: Sequence[Handles], out: np.ndarray | None = None) -> np.ndarray:
         """The payloads of ``blocks``, ``[len(blocks), block_bytes]``: one gather per layer
-        group over every block, not one per block, so a read of many blocks is one copy."""
-        parts = []
+        group over every block, not one per block, so a read of many blocks is one copy.
+        ``out``: write them there (a reader's shared-memory slab) instead of a new array."""
+        if out is None:
+            out = np.empty((len(blocks), self.block_bytes), dtype=np.uint8)
+        elif out.shape != (len(blocks), self.block_bytes):
+            raise ValueError(f"out is {out.shape}, not {(len(blocks), self.block_bytes)}")
+        if not blocks:
+            return out
+        dest, column = torch.from_numpy(out), 0
         for g, (pool, nbytes) in enumerate(zip(self.pools, self.group_bytes, strict=True)):
             idx = [h.offset // h.length for per_group in blocks for h in per_group[g]]
-            pages = pool.data.index_select(0, torch.tensor(idx, dtype=torch.long))
-            parts.append(pages.reshape(len(blocks), nbytes))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return np.ascontiguousarray(out.cpu().numpy())
+            index = torch.tensor(idx, dtype=torch.long, device=pool.data.device)
+            into = dest[:, column : column + nbytes]
+            if len(self.pools) == 1 and pool.data.device.type == "cpu":
+                # One group fills whole rows: the gather writes straight into them.
+                torch.index_select(pool.data, 0, index, out=dest.view(len(idx), -1))
+            else:
+                into.copy_(pool.data.index_select(0, index).reshape(len(blocks), nbytes))
+            column += nbytes
+        return out
 
     def intact(self, per_group: Handles) -> bool:
         """Whether every page still hashes to its seal."""

@@ -186,11 +186,7 @@ class EngineSide:
         """:meth:`PoolService.read_blocks`, the held blocks' bytes written into the engine's
         slab ``slab`` in key order (rows 0, 1, ...); answers each key's hash (``None``: not
         held). The engine reads the rows once this answers."""
-        reads = await self.svc.read_blocks(access, keys)
-        held = len(reads.payloads)
-        if held:
-            np.copyto(self.slabs.rows(slab, held), reads.payloads)
-        return reads.block_hashes
+        return await self.svc.read_into(access, keys, self.slabs.rows(slab, len(keys)))
 
     async def pull(
         self, access: Access, keys: list[TokenKey], holders: list[tuple[Holder, ...] | None]

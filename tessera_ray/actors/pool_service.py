@@ -57,7 +57,7 @@ from tessera_ray.actors.messages import (
 from tessera_ray.actors.tenancy import Access, TenantGate
 from tessera_ray.core import ContentHashFn, xxh3_128
 from tessera_ray.core.results import BlockHash, TokenKey
-from tessera_ray.errors import LeaseError, PoolExhaustedError
+from tessera_ray.errors import LeaseError, PageShapeError, PoolExhaustedError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import PeerInfo, Transport
 
@@ -284,6 +284,23 @@ class PoolService:
             payloads = self.read_pinned(ticket.id)
             hashes = [b.block_hash if b is not None else None for b in ticket.blocks]
             return BlockReads.of(hashes, payloads)
+        finally:
+            self.unpin(ticket.id)
+
+    async def read_into(
+        self, access: Access, token_keys: Sequence[TokenKey], out: np.ndarray
+    ) -> tuple[BlockHash | None, ...]:
+        """:meth:`read_blocks` with the held blocks' bytes written into ``out``'s first rows,
+        in key order (a reader's shared-memory slab; ``out`` must hold every key); answers
+        each key's hash, ``None`` where not held."""
+        if len(out) < len(token_keys):
+            raise PageShapeError(f"{len(token_keys)} blocks to read into {len(out)} rows")
+        ticket = await self.pin(access, token_keys)
+        try:
+            lease = self.leases.pinned(ticket.id)
+            assert lease is not None, "a pin just taken is held"
+            self.groups.gather(lease.handles, out[: len(lease.handles)])
+            return tuple(b.block_hash if b is not None else None for b in ticket.blocks)
         finally:
             self.unpin(ticket.id)
 

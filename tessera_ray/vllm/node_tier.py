@@ -34,7 +34,7 @@ from tessera_ray.actors.channel import (
 )
 from tessera_ray.actors.messages import BlockCheck, BlockReads, PinTicket
 from tessera_ray.actors.tenancy import Access
-from tessera_ray.core.results import TokenKey
+from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.core.shm import SlabInfo, shared_host_zeros, slab_of
 from tessera_ray.errors import (
     PeerMappingError,
@@ -210,20 +210,26 @@ class NodeTier(PoolTier):
         if slab is None:
             return await self._read_answers(access, keys)
         info, rows = slab
-        parts = []
+        hashes: list[BlockHash | None] = []
+        payloads = np.empty((len(keys), self.layout.block_bytes), dtype=np.uint8)
+        held = 0
         async with self._read_slab.lock():  # one read at a time is written into the slab
             for start in range(0, len(keys), len(rows)):
                 run = keys[start : start + len(rows)]
                 try:
-                    hashes = await self._call("read_into", access, run, info)
+                    found = await self._call("read_into", access, run, info)
                 except PeerMappingError as exc:
                     self._read_slab.refused(self.pool, exc)
-                    parts.append(await self._read_answers(access, keys[start:]))
-                    break
-                held = sum(h is not None for h in hashes)
+                    rest = await self._read_answers(access, keys[start:])
+                    found, rows = rest.block_hashes, rest.payloads
+                count = sum(h is not None for h in found)
                 # Copied out: the slab is the next read's, while vLLM may still use these rows.
-                parts.append(BlockReads.of(hashes, rows[:held].copy(), carrier="slab"))
-        return BlockReads.joined(parts) if parts else await self._read_answers(access, keys)
+                payloads[held : held + count] = rows[:count]
+                hashes.extend(found)
+                held += count
+                if len(hashes) == len(keys):
+                    break
+        return BlockReads.of(hashes, payloads[:held], carrier="slab")
 
     async def _read_answers(self, access: Access, keys: list[TokenKey]) -> BlockReads:
         """The read's bytes in the pool's answers (no slab), in runs that fit a frame."""
