@@ -47,8 +47,9 @@ PREFIXES, PREFIX_LEN, SUFFIX_LEN = 16, 1024, 64
 FIGURES = ("request_throughput", "median_ttft_ms", "median_tpot_ms", "completed")
 
 
-def _client(endpoint: Any, dataset: list[str], prompts: int) -> dict[str, float]:
-    """One run of vLLM's benchmark client against ``endpoint``; the figures it reports."""
+def _client(endpoint: Any, dataset: list[str], prompts: int) -> dict[str, Any]:
+    """One run of vLLM's benchmark client against ``endpoint``: the figures it reports, and
+    the CPU seconds every other process on the machine spent meanwhile, by kind."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -70,8 +71,15 @@ def _client(endpoint: Any, dataset: list[str], prompts: int) -> dict[str, float]
             *dataset,
         ]
     )
+    from tests.engine._proc_cpu import cpu_between, cpu_seconds
+
+    me = os.getpid()  # the client's own work stays out (it is the same with the tier or not)
+    before = cpu_seconds(exclude=me)
     result = main(args)
-    return {k: float(result[k]) for k in FIGURES}
+    used = cpu_between(before, cpu_seconds(exclude=me))
+    figures: dict[str, Any] = {k: float(result[k]) for k in FIGURES}
+    figures["cpu_s_by_kind"] = {k: round(v, 3) for k, v in sorted(used.items())}
+    return figures
 
 
 def _datasets(prompts: int) -> dict[str, list[str]]:
@@ -108,17 +116,36 @@ def _row(name: str, result: dict[str, Any], dataset: str, figure: str, **kw: Any
     )
 
 
+def _cpu_note(result: dict[str, Any], dataset: str) -> str:
+    """Where the machine's CPU went over the run, by process kind: tier on (off)."""
+    on = result["tier_on"]["measured"][dataset]
+    off = result["tier_off"]["measured"][dataset]
+    kinds = sorted(on["cpu_s_by_kind"].keys() | off["cpu_s_by_kind"].keys())
+    by_kind = ", ".join(
+        f"{k} {on['cpu_s_by_kind'].get(k, 0):.1f} ({off['cpu_s_by_kind'].get(k, 0):.1f})"
+        for k in kinds
+    )
+    return (
+        f"{int(on['completed'])} and {int(off['completed'])} requests completed (on, off); "
+        f"CPU seconds over the run by process, on (off): {by_kind}"
+    )
+
+
 def rows_of(result: dict[str, Any]) -> list[Row]:
-    done = {
-        label: {d: int(r[d]["completed"]) for d in r["measured"]} for label, r in result.items()
-    }
-    note = f"requests completed per run: {done}"
+    random, prefix = _cpu_note(result, "random"), _cpu_note(result, "prefix")
     return [
         _row("random_throughput", result, "random", "request_throughput", target_ratio=0.95),
         _row("random_ttft_p50", result, "random", "median_ttft_ms", target_ratio=1 / 1.05),
-        _row("random_tpot_p50", result, "random", "median_tpot_ms", target_ratio=1 / 1.05),
+        _row(
+            "random_tpot_p50",
+            result,
+            "random",
+            "median_tpot_ms",
+            target_ratio=1 / 1.05,
+            note=random,
+        ),
         _row("prefix_throughput", result, "prefix", "request_throughput", target_ratio=1.2),
-        _row("prefix_ttft_p50", result, "prefix", "median_ttft_ms", target_ratio=1.25, note=note),
+        _row("prefix_ttft_p50", result, "prefix", "median_ttft_ms", target_ratio=1.25, note=prefix),
     ]
 
 
