@@ -155,18 +155,11 @@ def main() -> None:
         reason = "vLLM's CPU build is not installed (make test-engine creates it)"
         write_result("serve_client", args, [Row.unavailable("random_throughput", "", reason)])
         return
-    from tessera_ray._cli_demo import ENGINE_CACHE_TOKENS, ENGINE_MAX_LEN, ENGINE_POOL_BLOCKS
-    from tessera_ray.demo.serve_demo import EngineDemoConfig, run_app_comparison
-    from tessera_ray.demo.workload import DemoConfig
+    from tessera_ray._cli_demo import engine_demo_config
+    from tessera_ray.demo.serve_demo import run_app_comparison
 
     prompts = 32 if args.quick else PROMPTS
-    config = EngineDemoConfig(
-        fleet=DemoConfig(),
-        num_blocks=ENGINE_POOL_BLOCKS,
-        disk=True,
-        engine_cache_tokens=ENGINE_CACHE_TOKENS,
-        max_model_len=ENGINE_MAX_LEN,
-    )
+    config = engine_demo_config()  # the deployment of make demo-engine
 
     def measure(endpoint: Any) -> dict[str, Any]:
         return {d: _client(endpoint, a, prompts) for d, a in _datasets(prompts).items()}

@@ -87,19 +87,11 @@ def main() -> None:
         reason = "vLLM's CPU build is not installed (make test-engine creates it)"
         write_result("serve_idle", args, [Row.unavailable("serve_idle_cpu_connector", "%", reason)])
         return
-    from tessera_ray._cli_demo import ENGINE_CACHE_TOKENS, ENGINE_MAX_LEN, ENGINE_POOL_BLOCKS
-    from tessera_ray.demo.serve_demo import EngineDemoConfig, run_app_comparison
-    from tessera_ray.demo.workload import DemoConfig
+    from tessera_ray._cli_demo import engine_demo_config
+    from tessera_ray.demo.serve_demo import run_app_comparison
 
     rounds, seconds = (2, 5.0) if args.quick else (ROUNDS, IDLE_S)
-    # The engine demo's deployment (make demo-engine), as its users run it.
-    config = EngineDemoConfig(
-        fleet=DemoConfig(),
-        num_blocks=ENGINE_POOL_BLOCKS,
-        disk=True,
-        engine_cache_tokens=ENGINE_CACHE_TOKENS,
-        max_model_len=ENGINE_MAX_LEN,
-    )
+    config = engine_demo_config()  # the deployment of make demo-engine
     result = run_app_comparison(config, lambda _: _windows(rounds, seconds))
     for label, run in result.items():
         print(f"{label}: up in {run['start_s']:.0f} s; {run['measured']}", file=sys.stderr)

@@ -10,12 +10,15 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tessera_ray._loopback import keep_ray_on_loopback
 from tessera_ray.serve.llm import ROUTERS
 
-__all__ = ["add_demo_command"]
+if TYPE_CHECKING:
+    from tessera_ray.demo.serve_demo import EngineDemoConfig
+
+__all__ = ["add_demo_command", "engine_demo_config"]
 
 
 # The engine demo's fleet: more agents and documents than each replica's own KV cache holds
@@ -62,25 +65,38 @@ def _logs_to(path: Path | None) -> Iterator[TextIO]:
         terminal.close()
 
 
+def engine_demo_config(**overrides: Any) -> EngineDemoConfig:
+    """The deployment ``make demo-engine`` runs (its pools with a disk tier, engine caches of
+    about one long prompt), as the benchmarks that drive the same app take it; ``overrides``
+    set any other field (the fleet by default: :class:`DemoConfig`'s)."""
+    from tessera_ray.demo.serve_demo import EngineDemoConfig
+    from tessera_ray.demo.workload import DemoConfig
+
+    settings: dict[str, Any] = {
+        "fleet": DemoConfig(),
+        "num_blocks": ENGINE_POOL_BLOCKS,
+        "disk": True,
+        "engine_cache_tokens": ENGINE_CACHE_TOKENS,
+        "max_model_len": ENGINE_MAX_LEN,
+    }
+    return EngineDemoConfig(**{**settings, **overrides})
+
+
 def _cmd_engine_demo(ns: argparse.Namespace, config: object) -> int:
     """The fleet on real vLLM engines behind Ray Serve LLM (``--engine vllm``), without and
     with the tier."""
     from tessera_ray.demo.endpoint import render_comparison, render_router_choices
-    from tessera_ray.demo.serve_demo import EngineDemoConfig, run_tier_comparison
+    from tessera_ray.demo.serve_demo import run_tier_comparison
     from tessera_ray.demo.workload import DemoConfig
 
     assert isinstance(config, DemoConfig)
     log_path = None if ns.verbose else Path(ns.log).resolve()
-    engine = EngineDemoConfig(
+    engine = engine_demo_config(
         fleet=config,
         model_kind=ns.model_kind,
         num_nodes=ns.nodes,
         device=ns.device,
         router=ns.router,
-        num_blocks=ENGINE_POOL_BLOCKS,
-        disk=True,
-        engine_cache_tokens=ENGINE_CACHE_TOKENS,
-        max_model_len=ENGINE_MAX_LEN,
         router_settings={"max_token_gap": ENGINE_MAX_TOKEN_GAP},
     )
     print(
