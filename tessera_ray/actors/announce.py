@@ -11,7 +11,9 @@ Trust: the same as the node's own: the directory is created mode 0700 and each f
 process must run as the pool's user to read a secret (as it must to read Ray's session files),
 and a reader trusts only a directory and files that user owns and no one else can write.
 A pool that died leaves its file behind; :func:`announced` skips files whose process is gone, and
-a restarted pool writes a new one (new port, new secret) over it.
+a restarted pool writes a new one (new port, new secret) over it. Files are kept per Ray
+namespace: two running tiers of one namespace on one machine (two Ray clusters) would be told
+apart by nothing here, so give each its own namespace (or ``TESSERA_RUN_DIR``).
 """
 
 from __future__ import annotations
