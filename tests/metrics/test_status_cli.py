@@ -15,7 +15,7 @@ from tessera_ray.actors.config import PoolServiceConfig, TierConfig
 from tessera_ray.cli import main
 from tessera_ray.core import token_key
 from tessera_ray.layout import MLAConfig, build_layout
-from tests.conftest import SimCluster
+from tests.conftest import SimCluster, kill_and_wait
 
 
 def _wait_gone(name: str, timeout_s: float = 30.0) -> None:
@@ -67,7 +67,9 @@ def test_status_lists_every_pool_and_shard(
         first = next(p for p in snapshot["pools"] if p["name"] == tier.pools[0])
         assert first["blocks_in_memory"] == 2 and first["pages_used"] == {"memory": 1}
         assert sorted(s["shard"] for s in snapshot["shards"]) == [0, 1, 2]
-        ray.kill(tier.pool(tier.pools[2]), no_restart=True)
+        # Until its process is gone (a call sent before then may still be answered), and its
+        # name with it.
+        kill_and_wait(tier.pool(tier.pools[2]))
         _wait_gone(tier.pools[2])
         # A client that knew the pool reports it down; a fresh `status` no longer finds it by
         # name (killed actors leave Ray's name table) and counts only what is alive.
