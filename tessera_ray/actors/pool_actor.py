@@ -53,6 +53,10 @@ __all__ = ["PoolActor"]
 
 log = logging.getLogger(__name__)
 
+FETCH_TIMEOUT_S = 30.0
+"""Longest one pull from an owner may take, for a caller's ``fetch_from`` and an engine's pull
+over the channel alike."""
+
 
 # Restarted by Ray when its process dies (calls in flight fail; clients fall back): the new
 # process purges the old one's memory replicas and re-announces its disk tier.
@@ -141,7 +145,9 @@ class PoolActor:
             engine = EngineSide(
                 self.svc,
                 self.directory,
-                lambda owner, access, keys: self.fetcher.fetch(owner, access, keys, 30.0),
+                lambda owner, access, keys: self.fetcher.fetch(
+                    owner, access, keys, FETCH_TIMEOUT_S
+                ),
                 self.directory.purge,
                 describe=self._describe,
                 peer=lambda: self.peer,
@@ -295,7 +301,11 @@ class PoolActor:
     # ------------------------------------------------------------------ the shell's own
 
     async def fetch_from(
-        self, owner: str, access: Access, token_keys: list[TokenKey], timeout_s: float = 30.0
+        self,
+        owner: str,
+        access: Access,
+        token_keys: list[TokenKey],
+        timeout_s: float = FETCH_TIMEOUT_S,
     ) -> list[BlockFailure | None]:
         """Pull blocks from pool ``owner`` into this pool (:class:`Fetcher`); per key ``None``
         (installed or already here) or why not. The caller's access is checked here and again
