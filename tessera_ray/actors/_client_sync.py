@@ -11,6 +11,8 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
+from tessera_ray.actors._channel_book import ONE_CALL_LOOP
+
 __all__ = ["blocking", "run_blocking"]
 
 _P = ParamSpec("_P")
@@ -22,7 +24,11 @@ def run_blocking(coro: Coroutine[Any, Any, _T]) -> _T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        token = ONE_CALL_LOOP.set(True)  # the loop asyncio.run makes ends with this call
+        try:
+            return asyncio.run(coro)
+        finally:
+            ONE_CALL_LOOP.reset(token)
     coro.close()
     raise RuntimeError(
         "TesseraClient's blocking methods cannot run inside an event loop; await the "

@@ -13,7 +13,8 @@ import numpy as np
 import ray
 import torch
 
-from tessera_ray.actors.channel import ChannelAddress
+from tessera_ray.actors._channel_book import ONE_CALL_LOOP, ChannelBook
+from tessera_ray.actors.channel import ChannelAddress, ChannelError
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import (
     DirectoryStats,
@@ -89,6 +90,8 @@ class ActorCache:
     def __init__(self, ray_namespace: str) -> None:
         self.ray_namespace = ray_namespace
         self._handles: dict[str, Any] = {}
+        self.shard_channels = ChannelBook(f"directory caller in {ray_namespace!r}")
+        """The directory shards' channels (:class:`ShardRef`'s hot calls go over them)."""
 
     def get(self, name: str) -> Any:
         handle = self._handles.get(name)
@@ -277,20 +280,45 @@ class ShardRef:
         unavailable = DirectoryUnavailableError
         return await self.actors.call(self.name, what, method, args, timeout_s, unavailable)
 
+    async def _hot(self, method: str, *args: object, timeout_s: float) -> Any:
+        """A call every lookup or store makes: over the shard's channel, where a Ray actor call
+        would cost both processes several times the CPU (the shards' and pools' CPU under a
+        serving load was mostly Ray's: docs/connector-cost.md); through Ray where there is no
+        channel, or when it breaks. Each of these calls may be repeated: a register or a drop
+        sent again after a break changes nothing twice."""
+        book = self.actors.shard_channels
+        channel = None
+        if not ONE_CALL_LOOP.get():
+            channel = await book.get(self.name, self.channel, (DirectoryUnavailableError,))
+        if channel is not None:
+            try:
+                # No wait on the socket: the caller's loop (a pool's) has other work meanwhile.
+                return await channel.request(method, *args).answer(timeout_s, poll_s=0.0)
+            except ChannelError:
+                book.drop(self.name)
+            except TimeoutError as exc:
+                raise DirectoryUnavailableError(
+                    f"directory shard {self.index} did not answer {method} in {timeout_s} s"
+                ) from exc
+        return await self._call(method, *args, timeout_s=timeout_s)
+
+    async def channel(self) -> ChannelAddress | None:
+        return cast(ChannelAddress | None, await self._call("channel", timeout_s=CALL_TIMEOUT_S))
+
     async def lookup(
         self, access: Access, token_keys: Sequence[TokenKey], timeout_s: float = CALL_TIMEOUT_S
     ) -> list[LookupResult | None]:
-        found = await self._call("lookup", access, list(token_keys), timeout_s=timeout_s)
+        found = await self._hot("lookup", access, list(token_keys), timeout_s=timeout_s)
         return cast(list[LookupResult | None], found)
 
     async def register(self, entries: Sequence[Registration]) -> None:
         # As flat columns: a batch pickles as a few lists, not one tuple per entry.
-        await self._call("register", Registrations(entries), timeout_s=CALL_TIMEOUT_S)
+        await self._hot("register", Registrations(entries), timeout_s=CALL_TIMEOUT_S)
 
     async def drop_replicas(
         self, pool: str, blocks: Sequence[tuple[str, BlockHash]], tier: Tier | None
     ) -> None:
-        await self._call("drop_replicas", pool, list(blocks), tier, timeout_s=CALL_TIMEOUT_S)
+        await self._hot("drop_replicas", pool, list(blocks), tier, timeout_s=CALL_TIMEOUT_S)
 
     async def purge_pool(self, pool: str) -> None:
         await self._call("purge_pool", pool, timeout_s=CALL_TIMEOUT_S)

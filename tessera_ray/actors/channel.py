@@ -391,14 +391,16 @@ class PendingCall:
         self._req_id = req_id
         self._future = future
 
-    async def answer(self, timeout_s: float) -> Any:
+    async def answer(self, timeout_s: float, poll_s: float = ANSWER_POLL_S) -> Any:
         """The pool's answer (or its error raised); :class:`ChannelError` when the connection
         broke, ``TimeoutError`` past ``timeout_s`` (the connection is then closed: a late
-        answer must not be taken for a later call's)."""
+        answer must not be taken for a later call's). ``poll_s``: how long to wait on the
+        socket before yielding to the loop (0: at once, for a caller whose loop has other
+        work meanwhile)."""
         began = time.monotonic()
         try:
-            if not self._future.done():
-                self._client._poll(self._future, min(timeout_s, ANSWER_POLL_S))
+            if not self._future.done() and poll_s > 0:
+                self._client._poll(self._future, min(timeout_s, poll_s))
             if self._future.done():
                 ok, value = self._future.result()
             else:

@@ -1,6 +1,9 @@
 """The directory actor: a thin Ray shell over :class:`DirectoryShard`; named, restartable.
 After a (re)start it rebuilds itself from the pools' inventories; it checks that pools are
 alive, purges the replicas of dead ones, and re-learns a purged pool that answers again.
+Its hot calls (lookup, register, drop_replicas) are also served on a channel
+(:mod:`~tessera_ray.actors.channel`), whose address callers learn with a Ray call: every lookup
+and store of the tier makes them, and a Ray actor call costs both ends several times more CPU.
 The other side, how pools and clients reach the shards, is
 :class:`~tessera_ray.actors.links.ShardedDirectory`.
 """
@@ -13,6 +16,7 @@ import logging
 import ray
 
 from tessera_ray.actors._ray_handles import POOL_PREFIX, ActorCache, PoolRef
+from tessera_ray.actors.channel import ChannelAddress, ChannelServer
 from tessera_ray.actors.directory import (
     DirectoryShard,
     DirectoryStats,
@@ -59,6 +63,8 @@ class DirectoryActor:
         self._reconciled = asyncio.Event()
         self._reconciled.set()
         self._started = False
+        self._serving: asyncio.Future[ChannelAddress | None] | None = None
+        self._channel_server: ChannelServer | None = None
 
     def _start(self) -> None:
         if not self._started:
@@ -70,6 +76,33 @@ class DirectoryActor:
                 loop.create_task(self._health_loop()),
                 loop.create_task(self._exporter()),
             ]
+
+    async def channel(self) -> ChannelAddress | None:
+        """Where this shard serves its hot calls without Ray (``None``: it could not listen;
+        callers then use the Ray methods). Listening starts at the first ask."""
+        self._start()
+        if self._serving is None:
+            self._serving = asyncio.ensure_future(self._serve())
+        return await asyncio.shield(self._serving)
+
+    async def _serve(self) -> ChannelAddress | None:
+        shard = self.shard
+        server = ChannelServer(
+            # Answered in the callback that read the request: these never wait.
+            {
+                "lookup": shard.lookup,
+                "register": shard.register,
+                "drop_replicas": shard.drop_replicas,
+            },
+            host=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+        )
+        try:
+            address = await server.start()
+        except OSError as e:
+            log.warning("directory shard %d serves no channel: %s", shard.shard, e)
+            return None
+        self._channel_server = server
+        return address
 
     async def _exporter(self) -> None:
         while True:

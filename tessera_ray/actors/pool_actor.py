@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 
 import numpy as np
 import ray
@@ -166,8 +165,8 @@ class PoolActor:
         server = self._channel_server
         if server is None or server.address is None:
             return
-        entry = PoolAnnouncement(
-            self.ray_namespace, self.svc.name, self.svc.node, server.address, os.getpid()
+        entry = PoolAnnouncement.of_this_process(
+            self.ray_namespace, self.svc.name, self.svc.node, server.address
         )
         try:
             announce(entry)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import numpy as np
 
+from tessera_ray.actors._channel_book import ChannelBook
 from tessera_ray.actors._ray_handles import CALL_TIMEOUT_S, ActorCache, PoolRef
 from tessera_ray.actors.channel import ChannelClient, ChannelError, PendingCall, send_if_open
 from tessera_ray.actors.links import ShardedDirectory
@@ -27,13 +27,9 @@ from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import PoolUnavailableError
 from tessera_ray.transport import PeerInfo
 
-__all__ = ["PoolLinks", "PoolLink", "CHANNEL_RETRY_S"]
+__all__ = ["PoolLinks", "PoolLink"]
 
 log = logging.getLogger(__name__)
-
-CHANNEL_RETRY_S = 10.0
-"""After a pool's channel could not be reached, how long its calls go through Ray before the
-channel is tried again (each try is a Ray call to learn the address)."""
 
 
 def _unavailable(owner: str, exc: BaseException) -> PoolUnavailableError:
@@ -59,9 +55,7 @@ class PoolLinks:
         self.label = label
         self.use_channels = channels
         self.directory = directory
-        self._channels: dict[str, ChannelClient | None] = {}
-        """Per pool, its open channel, or ``None`` where it serves none (Ray only)."""
-        self._retry_at: dict[str, float] = {}
+        self.channels = ChannelBook(label)
         self._incarnations: dict[str, int] = {}
 
     def link(self, name: str) -> PoolLink:
@@ -72,38 +66,15 @@ class PoolLinks:
         are off, the pool serves none, or it could not be reached lately (Ray then decides)."""
         if not self.use_channels:
             return None
-        if name in self._channels:
-            known = self._channels[name]
-            if known is None or not known.closed:
-                return known
-        if time.monotonic() < self._retry_at.get(name, 0.0):
-            return None
-        try:
-            address = await PoolRef(self.actors, name).channel()
-            client = None if address is None else await ChannelClient.connect(address, 5.0)
-        except (ChannelError, PoolUnavailableError, TimeoutError) as e:
-            log.info("%s: no channel to pool %s (%s); calling through Ray", self.label, name, e)
-            self._retry_at[name] = time.monotonic() + CHANNEL_RETRY_S
-            return None
-        known = self._channels.get(name)
-        if known is not None and not known.closed:
-            # Another call connected meanwhile: keep one connection per pool.
-            if client is not None:
-                client.close()
-            return known
-        self._channels[name] = client
-        return client
+        address = PoolRef(self.actors, name).channel
+        return await self.channels.get(name, address, (PoolUnavailableError,))
 
     def open_channel(self, name: str) -> ChannelClient | None:
         """The channel to ``name`` if one is open now (no connecting)."""
-        known = self._channels.get(name)
-        return known if known is not None and not known.closed else None
+        return self.channels.open(name)
 
     def drop_channel(self, name: str) -> None:
-        client = self._channels.pop(name, None)
-        self._retry_at.pop(name, None)
-        if client is not None:
-            client.close()
+        self.channels.drop(name)
 
     def saw(self, name: str, incarnation: int) -> bool:
         """See :meth:`PoolLink.saw`. A new process of a known pool gets a new channel: the old
@@ -113,14 +84,13 @@ class PoolLinks:
         if known == incarnation:
             return False
         self._incarnations[name] = incarnation
-        if known is not None or self._channels.get(name, False) is None:
+        if known is not None or self.channels.serves_none(name):
             self.drop_channel(name)
         return True
 
     def close(self) -> None:
         """Close every channel (the caller shuts down); call on the loop that opened them."""
-        for name in list(self._channels):
-            self.drop_channel(name)
+        self.channels.close()
 
 
 class _PendingPin:

@@ -130,7 +130,7 @@ class NodeTier(PoolTier):
         self._store_slab = _Slab("store")
         self._read_slab = _Slab("read")
         with tier_call("tier describe"):
-            layout, _, _ = run_on_loop(self._ask(config.timeout_s, "describe"), config.timeout_s)
+            layout = run_on_loop(self._describe_when_up(config.timeout_s), config.timeout_s + 1.0)
         if not isinstance(layout, ModelLayout):
             raise TierConfigError(f"pool {entry.pool} described its layout as {layout!r}")
         super().__init__(config, layout, entry.pool)
@@ -141,6 +141,25 @@ class NodeTier(PoolTier):
         self._rows_per_call = max(1, (MAX_FRAME_BYTES // 2) // layout.block_bytes)
 
     # ---------------------------------------------------------------- the one handle
+
+    async def _describe_when_up(self, timeout_s: float) -> Any:
+        """The pool's layout, asked until ``timeout_s`` passes: at the engine's start the pool
+        may be restarting (its old process gone, the new one not yet listening), and the engine
+        waits for it rather than failing. Later calls never wait like this: a pool that is down
+        then costs the engine a recompute, not a stall."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pause = 0.05
+        while True:
+            try:
+                layout, _, _ = await self._ask(max(0.1, deadline - loop.time()), "describe")
+                return layout
+            except (ChannelError, PoolUnavailableError) as e:
+                if loop.time() + pause >= deadline:
+                    raise
+                log.info("pool %s not reached yet (%s): asking again", self._entry.pool, e)
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)
 
     async def _connect(self, timeout_s: float) -> ChannelClient:
         channel = self._channel

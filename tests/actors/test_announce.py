@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tessera_ray.actors.announce import RUN_DIR_ENV, PoolAnnouncement, announce, announced, run_dir
+from tessera_ray.actors.announce import (
+    RUN_DIR_ENV,
+    PoolAnnouncement,
+    announce,
+    announced,
+    process_started,
+    run_dir,
+    start_field,
+)
 from tessera_ray.actors.channel import ChannelAddress
 
 
@@ -21,9 +29,18 @@ def _run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _entry(pool: str, pid: int, *, namespace: str = "ns", port: int = 4000) -> PoolAnnouncement:
-    return PoolAnnouncement(
-        namespace, pool, "node-1", ChannelAddress("127.0.0.1", port, os.urandom(32)), pid
+    address = ChannelAddress("127.0.0.1", port, os.urandom(32))
+    return PoolAnnouncement(namespace, pool, "node-1", address, pid, process_started(pid))
+
+
+def _dead_pid() -> int:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
     )
+    return int(gone.stdout)
 
 
 def test_an_announcement_is_read_back_whole_and_only_its_user_can_read_it() -> None:
@@ -42,27 +59,49 @@ def test_a_new_process_of_the_pool_replaces_its_announcement() -> None:
     assert announced("ns") == [newer]
 
 
-def test_a_pool_whose_process_is_gone_is_not_announced() -> None:
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    dead = int(gone.stdout)
-    announce(_entry("pool-dead", dead))
+def test_a_pool_whose_process_is_gone_is_not_announced_and_its_file_is_cleared() -> None:
+    dead = _entry("pool-dead", _dead_pid())
+    announce(dead)
+    assert announced("ns") == []
     live = _entry("pool-live", os.getpid())
     announce(live)
     assert announced("ns") == [live]
+    # The next announcement cleared the dead pool's file: they would otherwise pile up.
+    assert sorted(p.name for p in run_dir("ns").iterdir()) == ["pool-live.json"]
 
 
-def test_unreadable_files_and_other_namespaces_are_skipped() -> None:
-    live = _entry("pool-a", os.getpid())
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="no /proc: pids only")
+def test_a_file_whose_pid_now_names_another_process_is_not_announced() -> None:
+    # A pool died and its pid went to another process (here: this one, started at another
+    # time). Engines led there would find a closed port: CI failed on exactly that.
+    mine = process_started(os.getpid())
+    assert mine is not None
+    reused = _entry("pool-old", os.getpid())
+    reused = PoolAnnouncement(
+        reused.namespace, reused.pool, reused.node, reused.address, reused.pid, mine - 1
+    )
+    announce(reused)
+    assert announced("ns") == []
+    live = _entry("pool-new", os.getpid())
     announce(live)
-    (run_dir("ns") / "broken.json").write_text("{not json")
-    announce(_entry("pool-b", os.getpid(), namespace="other"))
     assert announced("ns") == [live]
-    assert announced("nobody") == []
+    assert not (run_dir("ns") / "pool-old.json").exists()
+
+
+def test_a_process_start_time_is_read_past_a_name_with_spaces_and_parentheses() -> None:
+    fields = " ".join(str(n) for n in range(3, 53))  # fields 3.. of a stat line
+    assert start_field(f"4242 (a) b (c) {fields}") == 22
+    assert start_field("4242 (cut short) S 1 2") is None
+    assert start_field(f"4242 (exited) Z {fields[2:]}") is None  # its sockets are closed
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        if Path("/proc/self/stat").exists():
+            ours, theirs = process_started(os.getpid()), process_started(child.pid)
+            assert ours is not None and theirs is not None and theirs >= ours
+    finally:
+        child.kill()
+        child.wait()
+    assert process_started(child.pid) is None
 
 
 def test_a_namespace_cannot_name_a_path_outside_the_run_directory(tmp_path: Path) -> None:

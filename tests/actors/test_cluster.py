@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import ray
 
+from tessera_ray.actors._ray_handles import ActorCache
 from tessera_ray.actors.client import TesseraClient, this_node
 from tessera_ray.actors.config import PoolServiceConfig, TierConfig
 from tessera_ray.actors.directory import Tier
@@ -204,6 +206,63 @@ def test_directory_shard_restart_misses_then_rebuilds(
     after = tier.lookup("restart", keys)
     assert [r.block_hash if r else None for r in after] == [expected[k] for k in keys]
     assert all(r.replicas[0].pool == pool for r in after if r)
+
+
+def _shards_served(tier: TesseraClient) -> Counter[str]:
+    """What the directory shards' channels answered so far, by op, over every shard."""
+    served: Counter[str] = Counter()
+    for i in range(tier.config.num_shards):
+        served += ray.get(
+            tier.shard(i).__ray_call__.remote(
+                lambda self: Counter(self._channel_server.served) if self._channel_server else {}
+            )
+        )
+    return served
+
+
+def test_lookups_and_registrations_go_over_the_shards_channels_and_through_ray_if_one_breaks(
+    tier: TesseraClient, tessera_cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = tier.pool_on(tessera_cluster.node_ids[0])
+    keys, data = prefix("shard-channel", 6, salt=9), blocks(6, 9)
+    before = _shards_served(tier)
+    stored = tier.store("shard-channel", keys, data, pool=pool)
+    expected = [s.block_hash for s in stored]
+    # The pool registered what it stored over the shards' channels.
+    assert (_shards_served(tier) - before)["register"] >= 1
+    by_ray: Counter[str] = Counter()
+    ray_call = ActorCache.call
+
+    async def counted(cache: ActorCache, name: str, what: str, method: str, *a: object) -> object:
+        by_ray[method] += 1
+        return await ray_call(cache, name, what, method, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ActorCache, "call", counted)
+
+    async def lookups() -> None:
+        first = await tier.alookup("shard-channel", keys)  # learns the channels (Ray calls)
+        asked = by_ray["lookup"]
+        seen = _shards_served(tier)["lookup"]
+        again = await tier.alookup("shard-channel", keys)
+        assert by_ray["lookup"] == asked, "a lookup went through Ray with the channels open"
+        assert _shards_served(tier)["lookup"] > seen
+        # Broken channels: the lookup is answered through Ray, the same.
+        for i in range(tier.config.num_shards):
+            ray.get(
+                tier.shard(i).__ray_call__.remote(
+                    lambda self: [c.close() for c in list(self._channel_server._connections)]
+                )
+            )
+        broken = await tier.alookup("shard-channel", keys)
+        assert by_ray["lookup"] > asked
+        for answer in (first, again, broken):
+            assert [r.block_hash if r else None for r in answer] == expected
+
+    asyncio.run(lookups())
+    # Blocking calls open no channel for one request: Ray answers them.
+    asked = by_ray["lookup"]
+    assert [r.block_hash if r else None for r in tier.lookup("shard-channel", keys)] == expected
+    assert by_ray["lookup"] > asked
 
 
 def test_a_purged_pool_that_answers_is_learned_again(

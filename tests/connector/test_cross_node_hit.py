@@ -7,6 +7,7 @@ object store where there is no NIXL path)."""
 
 from __future__ import annotations
 
+import contextvars
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tessera_ray.actors._ray_handles import DIR_PREFIX, ActorCache
+from tessera_ray.actors._ray_handles import DIR_PREFIX, ActorCache, ShardRef
 from tessera_ray.actors.channel import ChannelClient
 from tessera_ray.actors.client import TesseraClient
 from tessera_ray.layout import MLAConfig, build_layout
@@ -45,14 +46,28 @@ class _Calls:
         channel_request, channel_send = ChannelClient.request, ChannelClient.send
         counts = self.counts
 
+        shard_hot = ShardRef._hot
+        in_shard = contextvars.ContextVar("in_shard", default=False)
+
         async def by_ray(cache: ActorCache, name: str, what: str, method: str, *a: Any) -> Any:
-            counts["directory" if name.startswith(DIR_PREFIX) else "pool"] += 1
-            counts[f"ray {method}"] += 1
+            if not in_shard.get():  # a shard's call is counted once, where it starts
+                counts["directory" if name.startswith(DIR_PREFIX) else "pool"] += 1
+                counts[f"ray {method}"] += 1
             return await ray_call(cache, name, what, method, *a)
 
+        async def to_shard(shard: ShardRef, method: str, *a: Any, **kw: Any) -> Any:
+            counts["directory"] += 1  # over the shard's channel, or through Ray
+            counts[f"shard {method}"] += 1
+            token = in_shard.set(True)
+            try:
+                return await shard_hot(shard, method, *a, **kw)
+            finally:
+                in_shard.reset(token)
+
         def request(channel: ChannelClient, op: str, *a: Any) -> Any:  # ``call`` comes here too
-            counts["pool"] += 1
-            counts[f"channel {op}"] += 1
+            if not in_shard.get():
+                counts["pool"] += 1
+                counts[f"channel {op}"] += 1
             return channel_request(channel, op, *a)
 
         def send(channel: ChannelClient, op: str, *a: Any) -> None:
@@ -67,6 +82,7 @@ class _Calls:
 
         monkeypatch.setattr(TesseraClient, "alookup", lookup)
         monkeypatch.setattr(ActorCache, "call", by_ray)
+        monkeypatch.setattr(ShardRef, "_hot", to_shard)
         monkeypatch.setattr(ChannelClient, "request", request)
         monkeypatch.setattr(ChannelClient, "send", send)
 

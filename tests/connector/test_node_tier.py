@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from tessera_ray.actors._ray_handles import PoolRef
+from tessera_ray.actors.announce import PoolAnnouncement, process_started
 from tessera_ray.actors.channel import ChannelClient
 from tessera_ray.actors.client import TesseraClient
 from tessera_ray.actors.directory import Holder, Tier
@@ -222,13 +223,23 @@ def test_reads_and_stores_larger_than_a_slab_or_a_frame_go_in_runs(
     assert [after.get(op, 0) - before.get(op, 0) for op in ops] == [2, 3]
 
 
+def _kill_and_wait(tier: TesseraClient, entry: PoolAnnouncement) -> None:
+    """Kill ``entry``'s pool (Ray restarts it) and wait until its process is gone: the kill
+    lands a moment after ``ray.kill`` returns, and the process answers until then."""
+    ray.kill(tier.pool(entry.pool), no_restart=False)
+    deadline = time.monotonic() + 30
+    while process_started(entry.pid) == entry.started:
+        assert time.monotonic() < deadline, "the killed pool's process stayed"
+        time.sleep(0.05)
+
+
 def test_a_restarted_pool_is_reached_through_its_new_announcement(tier: TesseraClient) -> None:
     pool = tier.pools[0]
     road = _node_tier(pool)
     keys, rows = _blocks(2, 14)
     road.store(NS, keys, rows)
     old = road._entry
-    ray.kill(tier.pool(pool), no_restart=False)
+    _kill_and_wait(tier, old)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -238,6 +249,22 @@ def test_a_restarted_pool_is_reached_through_its_new_announcement(tier: TesseraC
             assert time.monotonic() < deadline, "the restarted pool was never reached again"
             time.sleep(0.5)
     assert road._entry.pid != old.pid and road._entry.address != old.address
+    assert all(h is not None for h in road.lookup(NS, keys))
+
+
+def test_an_engine_starting_while_its_pool_restarts_waits_for_the_new_channel(
+    tier: TesseraClient,
+) -> None:
+    # The engine read the announcement of a process that is now gone (CI once saw an engine
+    # fail at start on exactly that: "cannot reach" the port of a pool that had gone).
+    pool = tier.pools[0]
+    config = TesseraConnectorConfig(ray_namespace=RAY_NS, pool=pool, timeout_s=90.0)
+    old = _node_tier(pool)._entry
+    _kill_and_wait(tier, old)
+    road = NodeTier(config, old)
+    assert road._entry.pid != old.pid and road._entry.address != old.address
+    keys, rows = _blocks(2, 15)
+    road.store(NS, keys, rows)
     assert all(h is not None for h in road.lookup(NS, keys))
 
 

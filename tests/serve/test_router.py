@@ -285,7 +285,8 @@ def test_a_strict_lookup_tells_a_dead_shard_from_a_miss(monkeypatch: pytest.Monk
     async def died() -> None:
         raise ActorDiedError()
 
-    dead_shard = SimpleNamespace(lookup=SimpleNamespace(remote=lambda *a: died()))
+    dead = SimpleNamespace(remote=lambda *a: died())
+    dead_shard = SimpleNamespace(lookup=dead, channel=dead)
     client = TesseraClient(
         TierConfig(model="tiny-mla", pool=PoolServiceConfig(num_blocks=4), num_shards=1),
         LAYOUT,
