@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tessera_ray.actors._client_nodes import inherited_raylet_node
-from tessera_ray.actors.announce import PoolAnnouncement, announced
+from tessera_ray.actors.announce import PoolAnnouncement, announced, process_started
 from tessera_ray.actors.channel import (
     MAX_FRAME_BYTES,
     ChannelClient,
@@ -155,10 +155,15 @@ class NodeTier(PoolTier):
                 layout, _, _ = await self._ask(max(0.1, deadline - loop.time()), "describe")
                 return layout
             except (ChannelError, PoolUnavailableError) as e:
-                if loop.time() + pause >= deadline:
-                    raise
+                if loop.time() >= deadline:
+                    entry = self._entry
+                    now = "running" if process_started(entry.pid) == entry.started else "gone"
+                    raise type(e)(
+                        f"{e} (pool {entry.pool}, announced by process {entry.pid}, {now}; "
+                        f"asked for {timeout_s:.0f} s)"
+                    ) from e
                 log.info("pool %s not reached yet (%s): asking again", self._entry.pool, e)
-            await asyncio.sleep(pause)
+            await asyncio.sleep(max(0.0, min(pause, deadline - loop.time())))
             pause = min(1.0, pause * 2)
 
     async def _connect(self, timeout_s: float) -> ChannelClient:

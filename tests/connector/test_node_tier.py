@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -19,8 +20,8 @@ import pytest
 import ray
 
 from tessera_ray.actors._ray_handles import PoolRef
-from tessera_ray.actors.announce import PoolAnnouncement, process_started
-from tessera_ray.actors.channel import ChannelClient
+from tessera_ray.actors.announce import PoolAnnouncement, announce, process_started, run_dir
+from tessera_ray.actors.channel import ChannelAddress, ChannelClient
 from tessera_ray.actors.client import TesseraClient
 from tessera_ray.actors.directory import Holder, Tier
 from tessera_ray.actors.pool_link import PoolLink
@@ -266,6 +267,29 @@ def test_an_engine_starting_while_its_pool_restarts_waits_for_the_new_channel(
     keys, rows = _blocks(2, 15)
     road.store(NS, keys, rows)
     assert all(h is not None for h in road.lookup(NS, keys))
+
+
+def test_an_engine_whose_pool_never_listens_fails_at_start_naming_the_announcement(
+    tier: TesseraClient,
+) -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    try:
+        port = closed.getsockname()[1]
+        ghost = PoolAnnouncement.of_this_process(
+            RAY_NS, "ghost-pool", "no-node", ChannelAddress("127.0.0.1", port, os.urandom(32))
+        )
+        announce(ghost)
+        config = TesseraConnectorConfig(ray_namespace=RAY_NS, pool="ghost-pool", timeout_s=1.0)
+        began = time.monotonic()
+        with pytest.raises(
+            TierUnavailableError, match=rf"ghost-pool, announced by process {os.getpid()}, running"
+        ):
+            NodeTier(config, ghost)
+        assert time.monotonic() - began >= 0.9, "gave up before its timeout"
+    finally:
+        closed.close()
+        (run_dir(RAY_NS) / "ghost-pool.json").unlink(missing_ok=True)
 
 
 def test_without_an_announcement_the_connector_joins_ray_instead(tier: TesseraClient) -> None:
