@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tessera_ray.actors._announcer import Announcer
 from tessera_ray.actors._groups import LayerGroups, check_keys
-from tessera_ray.actors._spill import Announcer
 from tessera_ray.actors._writer import BlockWriter
 from tessera_ray.actors.directory import Tier
 from tessera_ray.actors.messages import (

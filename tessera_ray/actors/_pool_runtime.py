@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tessera_ray.actors._announcer import WRITE_BEHIND
 from tessera_ray.actors._client_plan import FetchPlan, FetchResult
 from tessera_ray.actors.channel import ChannelServer
 from tessera_ray.actors.directory import Holder, Tier
@@ -115,7 +116,7 @@ class EngineSide:
         self.handlers: dict[str, Callable[..., Any]] = {
             "find": self.find,
             "pull": self.pull,
-            "store": svc.store,
+            "store": self.store,
             "store_mapped": self.store_mapped,
             "read_blocks": svc.read_blocks,
             "read_into": self.read_into,
@@ -171,6 +172,14 @@ class EngineSide:
             # Nothing waits on an early pull but the worker's, which pulls again what is missing.
             log.info("pool %s: an early pull failed: %s", self.svc.name, task.exception())
 
+    async def store(
+        self, access: Access, keys: list[TokenKey], payloads: np.ndarray
+    ) -> list[StoredBlock]:
+        """:meth:`PoolService.store`, answered once the pages are written: the directory
+        learns of them right after (:mod:`~tessera_ray.actors._announcer`)."""
+        WRITE_BEHIND.set(True)  # this call's own task: the pool's other calls still wait
+        return await self.svc.store(access, keys, payloads)
+
     async def store_mapped(
         self, access: Access, keys: list[TokenKey], slab: SlabInfo, count: int
     ) -> list[StoredBlock]:
@@ -178,7 +187,7 @@ class EngineSide:
         the engine reuses the slab once this answers."""
         if count != len(keys):
             raise PageShapeError(f"{count} staged rows for {len(keys)} token keys")
-        return await self.svc.store(access, keys, self.slabs.rows(slab, count))
+        return await self.store(access, keys, self.slabs.rows(slab, count))
 
     async def read_into(
         self, access: Access, keys: list[TokenKey], slab: SlabInfo

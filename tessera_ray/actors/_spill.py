@@ -10,55 +10,18 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from tessera_ray.actors._announcer import Announcer
 from tessera_ray.actors._eviction import eviction_plan
 from tessera_ray.actors._groups import Key, LayerGroups
-from tessera_ray.actors.directory import Registration, Replica, Tier
+from tessera_ray.actors.directory import Replica
 from tessera_ray.actors.disk_blocks import DiskBlocks
-from tessera_ray.actors.links import DirectoryLink
 from tessera_ray.actors.messages import BlockRef, EvictionReport, StoredBlock
 from tessera_ray.actors.tenancy import TenantGate
 from tessera_ray.core.results import BlockHash, TokenKey
 
-__all__ = ["Announcer", "Spiller"]
+__all__ = ["Spiller"]
 
 _NOTHING: Mapping[Key, BlockHash] = MappingProxyType({})
-
-
-class Announcer:
-    """The directory updates of one pool (none without a directory)."""
-
-    def __init__(self, pool: str, directory: DirectoryLink | None) -> None:
-        self.pool = pool
-        self.directory = directory
-
-    async def register(self, entries: Sequence[Registration]) -> None:
-        if self.directory is not None and entries:
-            await self.directory.register(entries)
-
-    async def stored(self, namespace: str, blocks: Sequence[StoredBlock], tier: Tier) -> None:
-        """The blocks just named here (those whose key was not already taken)."""
-        await self.register(
-            [
-                Registration(
-                    namespace,
-                    b.token_key,
-                    b.block_hash,
-                    Replica(self.pool, tier, b.slot, b.generation),
-                )
-                for b in blocks
-                if b.registered
-            ]
-        )
-
-    async def on_disk(self, refs: Sequence[BlockRef]) -> None:
-        replica = Replica(self.pool, Tier.DISK, 0, 0)
-        await self.register(
-            [Registration(r.namespace, r.token_key, r.block_hash, replica) for r in refs]
-        )
-
-    async def gone_from_memory(self, blocks: Sequence[tuple[str, BlockHash]]) -> None:
-        if self.directory is not None and blocks:
-            await self.directory.drop(self.pool, blocks, Tier.MEMORY)
 
 
 class Spiller:

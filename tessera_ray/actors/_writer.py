@@ -10,9 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tessera_ray.actors._announcer import Announcer
 from tessera_ray.actors._groups import LayerGroups, check_keys
 from tessera_ray.actors._leases import Lease, LeaseTable
-from tessera_ray.actors._spill import Announcer, Spiller
+from tessera_ray.actors._spill import Spiller
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import Tier
 from tessera_ray.actors.messages import Reservation, StoredBlock

@@ -32,11 +32,12 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from tessera_ray.actors._announcer import Announcer
 from tessera_ray.actors._attend import attend_held
 from tessera_ray.actors._groups import Handles, Key, LayerGroups, check_keys
 from tessera_ray.actors._intake import Intake
 from tessera_ray.actors._leases import Lease, LeaseTable
-from tessera_ray.actors._spill import Announcer, Spiller
+from tessera_ray.actors._spill import Spiller
 from tessera_ray.actors._writer import BlockWriter
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.directory import Registration, Registrations, Replica, Tier

@@ -5,6 +5,7 @@ stores), never imports Ray, and reaches a restarted pool through its new announc
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -121,6 +122,45 @@ def test_a_store_is_one_call_to_the_pool(tier: TesseraClient) -> None:
     assert all(np.array_equal(g, r) for g, r in zip(got, rows, strict=True))
     found = road.lookup(NS, keys)
     assert [f.block_hash for f in found if f] == [payload_block_hash(LAYOUT, NS, r) for r in rows]
+
+
+def test_an_engines_store_answers_before_the_directory_hears_of_it(tier: TesseraClient) -> None:
+    pool = tier.pools[0]
+    road = _node_tier(pool)
+    keys, rows = _blocks(3, 40)
+
+    def slow_directory(self: Any) -> None:
+        # Every registration of this pool takes a second (a busy shard).
+        directory = self.svc.announce.directory
+        register = directory.register
+
+        async def late(entries: Any) -> None:
+            await asyncio.sleep(1.0)
+            await register(entries)
+
+        directory.register = late
+        self._slow_register = register
+
+    def restore(self: Any) -> None:
+        self.svc.announce.directory.register = self._slow_register
+
+    actor = tier.pool(pool)
+    ray.get(actor.__ray_call__.remote(slow_directory))
+    try:
+        began = time.monotonic()
+        road.store(NS, keys, rows)
+        assert time.monotonic() - began < 0.8, "the engine's store waited for the directory"
+        # The directory learns of them once the registration lands.
+        deadline = time.monotonic() + 10
+        while not all(h is not None for h in tier.lookup(NS, keys)):
+            assert time.monotonic() < deadline, "the directory never learned of the store"
+            time.sleep(0.1)
+    finally:
+        ray.get(actor.__ray_call__.remote(restore))
+    # The client's own store still answers only once the directory knows.
+    keys, rows = _blocks(2, 41)
+    tier.store(NS, keys, rows, pool=pool)
+    assert all(h is not None for h in tier.lookup(NS, keys))
 
 
 def test_the_connector_holds_one_handle_to_its_pool(tier: TesseraClient) -> None:
