@@ -6,7 +6,11 @@ caches behind Ray's prefix router; tier on: the connector behind the tier-aware 
 
 The client is vLLM's benchmark itself (``vllm.benchmarks.serve``, called in this process:
 ``vllm bench serve`` is its command line, which this build's package name keeps from starting),
-run twice against each app with fixed seeds, so both apps get the same prompts:
+run against each app with fixed seeds, so both apps get the same prompts: first a short
+warm-up run (not measured: the first requests of an app pay its warm-up), then ``REPEATS``
+rounds of both datasets, each round with seeds of its own, each figure the median over the
+rounds (one run of 128 requests lasts seconds on this machine, and single runs of the same app
+differed by a quarter):
 
 - ``random``: every prompt new (``--dataset-name random``), no reuse at all;
 - ``prefix``: prompts sharing prefixes (``--dataset-name prefix_repetition``): ``PREFIXES``
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,13 +46,15 @@ keep_ray_on_loopback()  # simulated nodes; before anything imports Ray
 from common import Row, needs_engine_venv, parse_args, write_result  # noqa: E402
 
 PROMPTS = 128
+REPEATS = 3
+WARMUP_PROMPTS = 16
 CONCURRENCY = 8
 RANDOM_INPUT, OUTPUT = 512, 16
 PREFIXES, PREFIX_LEN, SUFFIX_LEN = 16, 1024, 64
 FIGURES = ("request_throughput", "median_ttft_ms", "median_tpot_ms", "completed")
 
 
-def _client(endpoint: Any, dataset: list[str], prompts: int) -> dict[str, Any]:
+def _client(endpoint: Any, dataset: list[str], prompts: int, seed: int = 0) -> dict[str, Any]:
     """One run of vLLM's benchmark client against ``endpoint``: the figures it reports, and
     the CPU seconds every other process on the machine spent meanwhile, by kind."""
     from vllm.benchmarks.serve import add_cli_args, main
@@ -66,7 +73,7 @@ def _client(endpoint: Any, dataset: list[str], prompts: int) -> dict[str, Any]:
             f"--max-concurrency={CONCURRENCY}",
             "--request-rate=inf",
             "--ignore-eos",
-            "--seed=0",
+            f"--seed={seed}",
             "--disable-tqdm",
             *dataset,
         ]
@@ -80,6 +87,18 @@ def _client(endpoint: Any, dataset: list[str], prompts: int) -> dict[str, Any]:
     figures: dict[str, Any] = {k: float(result[k]) for k in FIGURES}
     figures["cpu_s_by_kind"] = {k: round(v, 3) for k, v in sorted(used.items())}
     return figures
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over ``runs``; CPU seconds by process kind, their median too."""
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in FIGURES}
+    kinds = sorted({k for r in runs for k in r["cpu_s_by_kind"]})
+    out["cpu_s_by_kind"] = {
+        k: round(statistics.median(r["cpu_s_by_kind"].get(k, 0.0) for r in runs), 3) for k in kinds
+    }
+    out["rounds"] = len(runs)
+    out["each"] = {k: [r[k] for r in runs] for k in FIGURES}
+    return out
 
 
 def _datasets(prompts: int) -> dict[str, list[str]]:
@@ -125,10 +144,19 @@ def _cpu_note(result: dict[str, Any], dataset: str) -> str:
         f"{k} {on['cpu_s_by_kind'].get(k, 0):.1f} ({off['cpu_s_by_kind'].get(k, 0):.1f})"
         for k in kinds
     )
-    return (
-        f"{int(on['completed'])} and {int(off['completed'])} requests completed (on, off); "
-        f"CPU seconds over the run by process, on (off): {by_kind}"
+    each = ", ".join(
+        f"{f} on {_listed(on['each'][f])}, off {_listed(off['each'][f])}"
+        for f in ("request_throughput", "median_ttft_ms", "median_tpot_ms")
     )
+    return (
+        f"medians of {on['rounds']} rounds after a warm-up; {int(on['completed'])} and "
+        f"{int(off['completed'])} requests completed per round (on, off); by round: {each}; "
+        f"CPU seconds per round by process (median), on (off): {by_kind}"
+    )
+
+
+def _listed(values: list[float]) -> str:
+    return "/".join(f"{v:.3g}" for v in values)
 
 
 def rows_of(result: dict[str, Any]) -> list[Row]:
@@ -162,7 +190,13 @@ def main() -> None:
     config = engine_demo_config()  # the deployment of make demo-engine
 
     def measure(endpoint: Any) -> dict[str, Any]:
-        return {d: _client(endpoint, a, prompts) for d, a in _datasets(prompts).items()}
+        datasets = _datasets(prompts)
+        _client(endpoint, datasets["random"], WARMUP_PROMPTS, seed=1000)
+        runs = [
+            {d: _client(endpoint, a, prompts, seed=r) for d, a in datasets.items()}
+            for r in range(REPEATS)
+        ]
+        return {d: _median_run([run[d] for run in runs]) for d in datasets}
 
     result = run_app_comparison(config, measure)
     for label, run in result.items():
