@@ -12,7 +12,8 @@ applied, as before; the engine's road (:data:`WRITE_BEHIND`) does not.
 Meanwhile the directory lags this pool by a batch: another node's lookup may miss a block just
 stored here (it recomputes, as it would a moment earlier), and this pool's own lookups never ask
 the directory for what it holds. A drop queued behind a registration of the same block is
-applied after it, never before.
+applied after it, never before. A merged batch the directory refuses (a full shard) is refused
+whole: a caller that waits gets the error, an engine's store only the log.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class _Change:
     drops: list[tuple[str, BlockHash]] = field(default_factory=list)
     tier: Tier | None = None
     applied: list[asyncio.Future[None]] = field(default_factory=list)
+    """One per queued call; a caller that waits gets the change's error, if any."""
+    waited: list[bool] = field(default_factory=list)
 
     def takes(self, other: _Change) -> bool:
         """Whether ``other``, queued right after this one, can be sent with it."""
@@ -101,17 +104,20 @@ class Announcer:
     async def _send(self, change: _Change) -> None:
         """Queue ``change``; wait until it is applied unless the call is write-behind."""
         done = asyncio.get_running_loop().create_future()
+        waits = not WRITE_BEHIND.get()
         change.applied.append(done)
+        change.waited.append(waits)
         last = self._queue[-1] if self._queue else None
         if last is not None and last.takes(change):
             last.registrations += change.registrations
             last.drops += change.drops
             last.applied += change.applied
+            last.waited += change.waited
         else:
             self._queue.append(change)
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._drain())
-        if not WRITE_BEHIND.get():
+        if waits:
             await asyncio.shield(done)
 
     async def _drain(self) -> None:
@@ -119,15 +125,20 @@ class Announcer:
         assert directory is not None, "nothing is queued without a directory"
         while self._queue:
             change = self._queue.pop(0)
+            error: Exception | None = None
             try:
                 if change.drops:
                     await directory.drop(self.pool, change.drops, change.tier)
                 else:
                     await directory.register(change.registrations)
                 self.batches += 1
-            except Exception:  # a shard that refuses stays wrong until it rebuilds: say so
+            except Exception as e:  # the directory refused (a full shard): say so, go on
+                error = e
                 log.exception("pool %s: a directory update failed", self.pool)
-            finally:
-                for future in change.applied:
-                    if not future.done():
-                        future.set_result(None)
+            for future, waited in zip(change.applied, change.waited, strict=True):
+                if future.done():
+                    continue
+                if error is not None and waited:
+                    future.set_exception(error)  # the caller that waits sees why
+                else:
+                    future.set_result(None)  # an engine's store answered long ago

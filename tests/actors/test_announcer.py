@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import pytest
+
 from tessera_ray.actors._announcer import WRITE_BEHIND, Announcer
 from tessera_ray.actors.directory import LookupResult, Registration, Tier
 from tessera_ray.actors.messages import StoredBlock
@@ -81,7 +83,7 @@ def test_a_caller_that_must_see_the_directory_updated_waits_for_its_change() -> 
     asyncio.run(run())
 
 
-def test_a_failed_update_is_logged_and_later_ones_still_go_out() -> None:
+def test_a_refused_update_reaches_a_caller_that_waits_and_later_ones_still_go_out() -> None:
     class _Refusing(_Directory):
         async def register(self, entries: Sequence[Registration]) -> None:
             if entries[0].token_key == _block(5).token_key:
@@ -92,8 +94,13 @@ def test_a_failed_update_is_logged_and_later_ones_still_go_out() -> None:
         directory = _Refusing()
         directory.gate.set()
         announce = Announcer("pool-a", directory)
-        await announce.stored("ns", [_block(5)], Tier.MEMORY)  # waits, and is not raised
+        with pytest.raises(RuntimeError, match="refused"):
+            await announce.stored("ns", [_block(5)], Tier.MEMORY)
+        WRITE_BEHIND.set(True)  # an engine's store: answered already, the refusal is logged
+        await announce.stored("ns", [_block(5)], Tier.MEMORY)
+        await announce.settled()
         await announce.stored("ns", [_block(6)], Tier.MEMORY)
+        await announce.settled()
         assert directory.applied == [("register", [_block(6).token_key])]
 
     asyncio.run(run())
