@@ -45,9 +45,8 @@ class _Change:
     registrations: list[Registration] = field(default_factory=list)
     drops: list[tuple[str, BlockHash]] = field(default_factory=list)
     tier: Tier | None = None
-    applied: list[asyncio.Future[None]] = field(default_factory=list)
-    """One per queued call; a caller that waits gets the change's error, if any."""
-    waited: list[bool] = field(default_factory=list)
+    waiting: list[asyncio.Future[None]] = field(default_factory=list)
+    """One per caller that waits for the change (and gets its error, if any)."""
 
     def takes(self, other: _Change) -> bool:
         """Whether ``other``, queued right after this one, can be sent with it."""
@@ -103,21 +102,20 @@ class Announcer:
 
     async def _send(self, change: _Change) -> None:
         """Queue ``change``; wait until it is applied unless the call is write-behind."""
-        done = asyncio.get_running_loop().create_future()
-        waits = not WRITE_BEHIND.get()
-        change.applied.append(done)
-        change.waited.append(waits)
+        loop = asyncio.get_running_loop()
+        done = None if WRITE_BEHIND.get() else loop.create_future()
+        if done is not None:
+            change.waiting.append(done)
         last = self._queue[-1] if self._queue else None
         if last is not None and last.takes(change):
             last.registrations += change.registrations
             last.drops += change.drops
-            last.applied += change.applied
-            last.waited += change.waited
+            last.waiting += change.waiting
         else:
             self._queue.append(change)
         if self._sender is None or self._sender.done():
-            self._sender = asyncio.get_running_loop().create_task(self._drain())
-        if waits:
+            self._sender = loop.create_task(self._drain())
+        if done is not None:
             await asyncio.shield(done)
 
     async def _drain(self) -> None:
@@ -135,10 +133,10 @@ class Announcer:
             except Exception as e:  # the directory refused (a full shard): say so, go on
                 error = e
                 log.exception("pool %s: a directory update failed", self.pool)
-            for future, waited in zip(change.applied, change.waited, strict=True):
+            for future in change.waiting:
                 if future.done():
                     continue
-                if error is not None and waited:
+                if error is not None:
                     future.set_exception(error)  # the caller that waits sees why
                 else:
-                    future.set_result(None)  # an engine's store answered long ago
+                    future.set_result(None)

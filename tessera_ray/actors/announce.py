@@ -31,7 +31,15 @@ from pathlib import Path
 
 from tessera_ray.actors.channel import ChannelAddress
 
-__all__ = ["PoolAnnouncement", "announce", "announced", "process_started", "run_dir", "start_field"]
+__all__ = [
+    "PoolAnnouncement",
+    "announce",
+    "announced",
+    "process_started",
+    "run_dir",
+    "running",
+    "start_field",
+]
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +153,7 @@ def _ours(path: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _alive(entry: PoolAnnouncement) -> bool:
+def running(entry: PoolAnnouncement) -> bool:
     """Whether the process that wrote ``entry`` still runs (not merely one with its pid)."""
     try:
         os.kill(entry.pid, 0)
@@ -153,12 +161,10 @@ def _alive(entry: PoolAnnouncement) -> bool:
         return False
     except PermissionError:  # someone else's process took the number: not our pool
         return False
-    started = process_started(entry.pid)
     if entry.started is None:
-        # Written where /proc is not (the pid is all there is to go by), or read where it is
-        # and the process has exited.
-        return started is None and not Path(f"/proc/{entry.pid}").exists()
-    return started == entry.started
+        # Written where there is no /proc: the pid is all there is to go by.
+        return not Path("/proc").is_dir()
+    return process_started(entry.pid) == entry.started
 
 
 def _read(path: Path) -> PoolAnnouncement | None:
@@ -175,7 +181,7 @@ def _clear_gone(directory: Path, keep: Path) -> None:
     per pool ever started in the namespace, and each is read by every engine that starts)."""
     for path in directory.glob("*.json"):
         entry = _read(path)
-        if path != keep and entry is not None and not _alive(entry):
+        if path != keep and entry is not None and not running(entry):
             path.unlink(missing_ok=True)
 
 
@@ -193,6 +199,6 @@ def announced(namespace: str) -> list[PoolAnnouncement]:
     out: list[PoolAnnouncement] = []
     for path in sorted(directory.glob("*.json")):
         entry = _read(path)
-        if entry is not None and entry.namespace == namespace and _alive(entry):
+        if entry is not None and entry.namespace == namespace and running(entry):
             out.append(entry)
     return out

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tessera_ray.actors._client_nodes import inherited_raylet_node
-from tessera_ray.actors.announce import PoolAnnouncement, announced, process_started
+from tessera_ray.actors.announce import PoolAnnouncement, announced, running
 from tessera_ray.actors.channel import (
     MAX_FRAME_BYTES,
     ChannelClient,
@@ -157,7 +157,7 @@ class NodeTier(PoolTier):
             except (ChannelError, PoolUnavailableError) as e:
                 if loop.time() >= deadline:
                     entry = self._entry
-                    now = "running" if process_started(entry.pid) == entry.started else "gone"
+                    now = "running" if running(entry) else "gone"
                     raise type(e)(
                         f"{e} (pool {entry.pool}, announced by process {entry.pid}, {now}; "
                         f"asked for {timeout_s:.0f} s)"
