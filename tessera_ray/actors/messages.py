@@ -106,6 +106,9 @@ class BlockReads:
     carrier: str = ""
     """What carried the bytes to the reader: ``"mapped"`` (the pool's memory, mapped in the
     reader's process), a transport kind (``"nixl"``), or ``""``: a Ray call's payload."""
+    lent: bool = False
+    """``payloads`` is a view of the reader's staging memory, which its next read reuses: a
+    caller that keeps the rows past that read copies them first."""
 
     @classmethod
     def of(
@@ -115,6 +118,7 @@ class BlockReads:
         *,
         verified: bool = False,
         carrier: str = "",
+        lent: bool = False,
     ) -> BlockReads:
         rows, held = [], 0
         for h in block_hashes:
@@ -122,11 +126,12 @@ class BlockReads:
             held += h is not None
         if held != len(payloads):
             raise ValueError(f"{held} blocks held, {len(payloads)} payload rows")
-        return cls(tuple(block_hashes), payloads, tuple(rows), verified, carrier)
+        return cls(tuple(block_hashes), payloads, tuple(rows), verified, carrier, lent)
 
     @classmethod
     def joined(cls, parts: Sequence[BlockReads]) -> BlockReads:
-        """Reads of consecutive runs of keys as one (a single part is returned as it is)."""
+        """Reads of consecutive runs of keys as one (a single part is returned as it is; more
+        are copied into one array, which nothing lends)."""
         if len(parts) == 1:
             return parts[0]
         hashes = [h for part in parts for h in part.block_hashes]

@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tessera_ray.core.results import TokenKey
@@ -33,7 +32,7 @@ from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import CacheSpec, ModelLayout
 from tessera_ray.vllm.backend import TierBackend
 from tessera_ray.vllm.hybrid import EngineGroup
-from tessera_ray.vllm.loads import verified_block
+from tessera_ray.vllm.loads import staged, verified_block
 from tessera_ray.vllm.planes import LayerPlanes
 from tessera_ray.vllm.records import BlockLoad, BlockSave, StepPlan, TokenRows
 from tessera_ray.vllm.stats import ConnectorCounters
@@ -249,7 +248,6 @@ class HybridMover:
             return False
         if len(reads) != len(keys):
             raise LayoutError(f"the tier read {len(reads)} blocks for {len(keys)} keys")
-        payloads: list[np.ndarray] = []
         for i, (key, hit) in enumerate(zip(keys, hits, strict=True)):
             block = reads[i]
             if block is None:
@@ -258,8 +256,8 @@ class HybridMover:
             if not verified_block(self.layout, ns, block, hit.block_hash, reads.verified):
                 self._report_unverified(load.namespace, key)
                 return False
-            payloads.append(block.payload)
-        blocks = torch.from_numpy(np.stack(payloads))
+        # Every key held: the payloads are their rows in key order, used where they lie.
+        blocks = staged(reads.payloads[: len(keys)])
         n = len(load.token_keys)
         record = blocks[n:].reshape(-1)
         t = self.tier_tokens

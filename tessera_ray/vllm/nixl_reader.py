@@ -67,8 +67,8 @@ class PoolReader:
         return sum(b is not None for b in ticket.blocks) <= self.capacity_blocks
 
     def read(self, ticket: PinTicket, timeout_s: float) -> BlockReads:
-        """The pinned blocks' bytes, as a view of the staging memory (valid until the next
-        read). A block whose landed pages do not hash to what the pool sealed reads as not
+        """The pinned blocks' bytes, as a view of the staging memory (lent: valid until the
+        next read). A block whose landed pages do not hash to what the pool sealed reads as not
         held: the caller recomputes it."""
         held = [(i, b) for i, b in enumerate(ticket.blocks) if b is not None]
         if len(held) > self.capacity_blocks:
@@ -94,8 +94,9 @@ class PoolReader:
             else:
                 log.warning("a block read (%s) does not match its seal; recomputing it", carrier)
         rows = self.staging.data[: n * per].view(n, per * self.staging.page_bytes).numpy()
-        payloads = rows if len(good) == n else rows[good]
-        return BlockReads.of(hashes, payloads, verified=True, carrier=carrier)
+        lent = len(good) == n  # else the good rows are picked out: a copy
+        payloads = rows if lent else rows[good]
+        return BlockReads.of(hashes, payloads, verified=True, carrier=carrier, lent=lent)
 
     def repoint(self, peer: PeerInfo) -> None:
         """The pool is a new process (a restart): read from its new agent from now on."""

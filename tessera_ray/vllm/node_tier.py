@@ -234,6 +234,15 @@ class NodeTier(PoolTier):
         if slab is None:
             return await self._read_answers(access, keys)
         info, rows = slab
+        if len(keys) <= len(rows):  # one call: the rows stay where the pool wrote them (lent)
+            async with self._read_slab.lock():
+                try:
+                    found = await self._call("read_into", access, keys, info)
+                except PeerMappingError as exc:
+                    self._read_slab.refused(self.pool, exc)
+                    return await self._read_answers(access, keys)
+            held = sum(h is not None for h in found)
+            return BlockReads.of(found, rows[:held], carrier="slab", lent=True)
         hashes: list[BlockHash | None] = []
         payloads = np.empty((len(keys), self.layout.block_bytes), dtype=np.uint8)
         held = 0
@@ -247,7 +256,7 @@ class NodeTier(PoolTier):
                     rest = await self._read_answers(access, keys[start:])
                     found, rows = rest.block_hashes, rest.payloads
                 count = sum(h is not None for h in found)
-                # Copied out: the slab is the next read's, while vLLM may still use these rows.
+                # Copied out: the slab is the next run's.
                 payloads[held : held + count] = rows[:count]
                 hashes.extend(found)
                 held += count

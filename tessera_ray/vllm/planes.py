@@ -88,16 +88,24 @@ class LayerPlanes:
                 p[blocks, token // p.shape[2], token % p.shape[2]] = part
             at += width
 
-    def write_blocks(self, blocks: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` (``[len(blocks) x block_tokens, row_values]``, in token order) into
-        the whole cache blocks ``blocks``: one block-indexed copy per plane."""
+    def write_tokens(self, blocks: torch.Tensor, values: torch.Tensor, first: int = 0) -> None:
+        """Write ``values`` (``[len(blocks), L, row_values]``, this layer's dtype, any strides)
+        into tokens ``[first, first + L)`` of each cache block of ``blocks``: one block-indexed
+        copy per plane, read straight from ``values`` (a view of staged pages needs no copy
+        first)."""
+        n, length = values.shape[0], values.shape[1]
+        if any(first % p.shape[2] or length % p.shape[2] for p in self.planes):
+            # The tokens are not whole rows of a plane's second token axis: row by row.
+            offsets = torch.arange(first, first + length)
+            rows = (blocks.reshape(-1, 1) * self.block_tokens + offsets).reshape(-1)
+            self.scatter(rows, values.reshape(n * length, -1))
+            return
         blocks = blocks.to(self.device)
-        values = values.to(self.device)
         at = 0
         for p in self.planes:
-            width = _numel(p.shape[3:])
-            part = values[:, at : at + width].reshape(len(blocks), *p.shape[1:])
-            p.index_copy_(0, blocks, part)
+            width, t2 = _numel(p.shape[3:]), p.shape[2]
+            part = values[..., at : at + width].reshape(n, length // t2, t2, *p.shape[3:])
+            p[:, first // t2 : (first + length) // t2].index_copy_(0, blocks, part.to(self.device))
             at += width
 
 

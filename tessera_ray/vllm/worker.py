@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,9 +44,9 @@ from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.vllm.backend import TierBackend
-from tessera_ray.vllm.loads import LoadOutcome, LoadRun, verified_block
+from tessera_ray.vllm.loads import LoadOutcome, LoadRun, land_run, staged, verified_block
 from tessera_ray.vllm.planes import LayerPlanes, mla_planes
-from tessera_ray.vllm.records import BlockLoad, StepPlan, TokenRows
+from tessera_ray.vllm.records import BlockLoad, StepPlan
 from tessera_ray.vllm.scheduler import check_block_sizes, check_paged_layout
 from tessera_ray.vllm.stats import ConnectorCounters
 from tessera_ray.vllm.store_queue import StoreQueue
@@ -62,11 +61,6 @@ class _Layer:
     index: int
     planes: LayerPlanes
     """The layer's cache as tier rows (views, no copy)."""
-
-
-def _rows(rows: TokenRows, engine_tokens: int, start: int, stop: int) -> torch.Tensor:
-    """The cache rows of positions ``[start, stop)`` of ``rows``."""
-    return torch.tensor(dataclasses.replace(rows, stop=stop).cache_rows(engine_tokens, start))
 
 
 class WorkerMover:
@@ -176,12 +170,10 @@ class WorkerMover:
         by_ns: dict[str, list[BlockLoad]] = {}
         for load in loads:
             by_ns.setdefault(load.namespace, []).append(load)
-        arrays: list[np.ndarray] = []
-        held = 0  # payload rows of the arrays before the current one
         unverified: dict[str, list[TokenKey]] = {}
         t, e = self.tier_tokens, self.engine_tokens
         verified = mapped = 0
-        for namespace, group in by_ns.items():
+        for i, (namespace, group) in enumerate(by_ns.items()):
             keys = [k for load in group for k in load.token_keys]
             hits = [h for load in group for h in load.hits]
             try:
@@ -193,11 +185,15 @@ class WorkerMover:
                 reads = BlockReads.of([None] * len(keys), empty)
             if len(reads) != len(keys):
                 raise LayoutError(f"the tier read {len(reads)} blocks for {len(keys)} keys")
-            arrays.append(reads.payloads)
+            payloads = reads.payloads
+            if reads.lent and i + 1 < len(by_ns):
+                payloads = payloads.copy()  # the next read reuses the memory these rows are in
+            part = len(outcome.parts)
+            outcome.parts.append(staged(payloads))
             first = 0  # the load's first key among ``keys``
             for load in group:
-                # The load's verified leading tier blocks, as rows of all payloads read.
-                rows: list[int] = []
+                # The load's verified leading tier blocks: consecutive rows of the payloads.
+                n = 0
                 for j, (key, hit) in enumerate(zip(load.token_keys, load.hits, strict=True)):
                     block = reads[first + j]
                     if block is None:
@@ -207,28 +203,25 @@ class WorkerMover:
                     ):
                         unverified.setdefault(namespace, []).append(key)
                         break
-                    rows.append(held + reads.rows[first + j])
+                    n += 1
+                row = reads.rows[first] if n else 0
+                if n and reads.rows[first + n - 1] - row != n - 1:
+                    raise LayoutError("a tier read's held blocks are not in key order")
                 first += len(load.token_keys)
-                verified += len(rows)
-                mapped += len(rows) if reads.carrier == "mapped" else 0
-                end = min(load.rows.stop, load.tier_position + len(rows) * t)
+                verified += n
+                mapped += n if reads.carrier == "mapped" else 0
+                end = min(load.rows.stop, load.tier_position + n * t)
                 if end > load.rows.start:
                     skip = load.rows.start - load.tier_position
-                    used = rows[: -(-(end - load.tier_position) // t)]
+                    used = -(-(end - load.tier_position) // t)
                     to = dataclasses.replace(load.rows, stop=end)
-                    outcome.runs.append(LoadRun(torch.tensor(used, dtype=torch.long), skip, to))
+                    outcome.runs.append(LoadRun(part, row, used, skip, to))
                 if end < load.rows.stop:
                     # This tier block and every later one of the request: vLLM recomputes
                     # from the first failed engine block, so later ones would be overwritten.
                     outcome.failed_blocks |= load.rows.blocks_from(end, e)
                     outcome.failed_requests.add(load.req_id)
-            held += len(reads.payloads)
         self.counters.add(loaded_blocks=verified, mapped_blocks=mapped)
-        if outcome.runs:
-            rows_all = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-            with warnings.catch_warnings():  # read-only (shared) memory: only ever read here
-                warnings.simplefilter("ignore", UserWarning)
-                outcome.rows = torch.from_numpy(rows_all)
         for namespace, keys in unverified.items():
             try:  # the tier drops what rotted in it, so the next save stores it afresh
                 self.tier.report_unverified(namespace, keys)
@@ -256,31 +249,16 @@ class WorkerMover:
 
     def _copy_layer(self, layer: _Layer) -> None:
         outcome = self._loaded()
-        if outcome is None or outcome.rows is None or layer.index in self._copied:
+        if outcome is None or not outcome.runs or layer.index in self._copied:
             return
         self._copied.add(layer.index)
         offset = layer.index * self.page_bytes
-        t, e = self.tier_tokens, self.engine_tokens
-        # The layer's pages of every block read, as [blocks, T, row] (a strided view, no copy).
-        pages = outcome.rows[:, offset : offset + self.page_bytes].view(layer.planes.dtype)
-        pages = pages.reshape(len(outcome.rows), t, -1)
         for run in outcome.runs:
-            # One copy of the run's pages, then a view of its positions, in position order.
-            values = pages.index_select(0, run.blocks).reshape(len(run.blocks) * t, -1)
-            values = values[run.skip : run.skip + len(run.rows)]
-            # Whole engine blocks in one block-indexed copy; the partial ones at either end
-            # row by row.
-            rows = run.rows
-            lo = min(rows.stop, -(-rows.start // e) * e)
-            hi = max(lo, rows.stop // e * e)
-            if lo > rows.start:
-                layer.planes.scatter(_rows(rows, e, rows.start, lo), values[: lo - rows.start])
-            if hi > lo:
-                first = (lo - rows.first_position) // e
-                blocks = torch.tensor(rows.block_ids[first : first + (hi - lo) // e])
-                layer.planes.write_blocks(blocks, values[lo - rows.start : hi - rows.start])
-            if rows.stop > hi:
-                layer.planes.scatter(_rows(rows, e, hi, rows.stop), values[hi - rows.start :])
+            # The layer's pages of the part's blocks, as [blocks, T, row] (a strided view).
+            part = outcome.parts[run.part]
+            pages = part[:, offset : offset + self.page_bytes].view(layer.planes.dtype)
+            pages = pages.reshape(len(part), self.tier_tokens, -1)
+            land_run(layer.planes, pages, run, self.engine_tokens)
 
     def wait_layer(self, plan: StepPlan, name: str) -> None:
         """Make layer ``name``'s share of this step's verified blocks present in its cache."""
@@ -317,7 +295,7 @@ class WorkerMover:
         if self._pending is not None:
             missed = [layer for layer in self._layers.values() if layer.index not in self._copied]
             outcome = self._loaded()
-            if missed and outcome is not None and outcome.rows is not None:
+            if missed and outcome is not None and outcome.runs:
                 log.error(
                     "vLLM ran attention of %d layers without waiting for their loads; "
                     "reporting this step's loaded blocks as failed so vLLM recomputes them",

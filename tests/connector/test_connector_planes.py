@@ -89,20 +89,32 @@ def test_planes_read_and_write_each_tokens_k_then_v(packing: str) -> None:
 
 
 @pytest.mark.parametrize("packing", sorted(PACKINGS))
-def test_whole_block_writes_equal_row_writes(packing: str) -> None:
-    """``write_blocks`` (one block-indexed copy per plane) leaves the cache exactly as the
-    row-by-row scatter of the same tokens does, and touches no other block."""
+@pytest.mark.parametrize(("first", "length"), [(0, N), (16, 16), (8, 8)])
+def test_block_writes_from_strided_pages_equal_row_writes(
+    packing: str, first: int, length: int
+) -> None:
+    """``write_tokens`` from a strided view (every other page of a staging buffer, as a layer's
+    pages sit among the other layers' in a tier block) leaves the cache exactly as the
+    row-by-row scatter of the same tokens does, and touches nothing else."""
     gen = torch.Generator().manual_seed(6)
     k = torch.randn(B, N, H, D, generator=gen).to(torch.bfloat16)
     v = torch.randn(B, N, H, D, generator=gen).to(torch.bfloat16)
     by_blocks, by_rows = PACKINGS[packing](k, v), PACKINGS[packing](k, v)
-    new = torch.randn(2 * N, 2 * H * D, generator=gen).to(torch.bfloat16)
+    staged = torch.randn(2, 2, length, 2 * H * D, generator=gen).to(torch.bfloat16)
+    new = staged[:, 1]  # [2 blocks, length, row]: not contiguous
+    assert not new.is_contiguous()
     blocks = torch.tensor([2, 0])
-    PLANE_BUILDERS[packing](by_blocks, D).write_blocks(blocks, new)
-    rows = torch.cat([torch.arange(2 * N, 3 * N), torch.arange(0, N)])
-    PLANE_BUILDERS[packing](by_rows, D).scatter(rows, new)
+    PLANE_BUILDERS[packing](by_blocks, D).write_tokens(blocks, new, first)
+    offsets = torch.arange(first, first + length)
+    rows = torch.cat([2 * N + offsets, offsets])
+    PLANE_BUILDERS[packing](by_rows, D).scatter(rows, new.reshape(2 * length, -1))
     assert torch.equal(by_blocks, by_rows)
     assert torch.equal(by_blocks[1], PACKINGS[packing](k, v)[1])
+    untouched = [r for r in range(N) if not first <= r < first + length]
+    assert not untouched or torch.equal(
+        PLANE_BUILDERS[packing](by_blocks, D).gather(torch.tensor(untouched, dtype=torch.long)),
+        PLANE_BUILDERS[packing](PACKINGS[packing](k, v), D).gather(torch.tensor(untouched, dtype=torch.long)),
+    )
 
 
 def test_mla_planes_are_token_rows_and_refuse_another_shape() -> None:

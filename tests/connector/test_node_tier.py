@@ -337,3 +337,34 @@ def test_without_an_announcement_the_connector_joins_ray_instead(tier: TesseraCl
     assert announced_pool(config) is None
     with pytest.raises(Exception, match="no-such-pool-here"):
         open_tier(config, LAYOUT)  # the Ray road, which knows no such pool either
+
+
+@pytest.mark.parametrize("reader", ["slab", "mapped"])
+def test_a_read_lands_once_and_is_lent_where_it_landed(tier: TesseraClient, reader: str) -> None:
+    """A local hit's bytes are copied once, by the pool into this engine's read slab or out of
+    its mapped memory into the reader's staging, and handed over where they landed (lent: the
+    next read reuses that memory), not copied out again."""
+    extra = {"nixl_staging_bytes": 0} if reader == "slab" else {}
+    road = _node_tier(tier.pools[0], **extra)
+    road.prepare_reads()
+    keys, rows = _blocks(3, 23)
+    road.store(NS, keys, rows)
+    got = road.read(NS, keys, road.lookup(NS, keys))
+    assert np.array_equal(got.payloads, rows)
+    if reader == "slab":
+        landed = road._read_slab.get()
+        assert landed is not None
+        assert got.carrier == "slab"
+        assert np.shares_memory(got.payloads, landed[1])
+    else:
+        assert road._reader is not None, "no mapped reader on the pool's own node"
+        assert got.carrier == "mapped"
+        assert np.shares_memory(got.payloads, road._reader.staging.data.numpy())
+    assert got.lent
+    # The next read writes the same memory: what a caller keeps past it, it copies first.
+    other, other_rows = _blocks(3, 24)
+    road.store(NS, other, other_rows)
+    again = road.read(NS, other, road.lookup(NS, other))
+    assert np.shares_memory(again.payloads, got.payloads)
+    assert np.array_equal(got.payloads, other_rows)
+    road.release_reads()

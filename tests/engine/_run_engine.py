@@ -9,7 +9,9 @@ engine core and worker processes under it. The spec::
      "enforce_eager": bool, "max_tokens": int, "env": {name: value}, "log_stats": bool,
      "connector_stats": bool,
      "jobs": [{"name": str, "prompt": [ids], "salt": str | null, "max_tokens": int,
-               "repeat": int, "fresh_cache": bool} | {"kill_pools": ray namespace}
+               "repeat": int, "fresh_cache": bool}
+              | {"name": str, "batch": [{"name", "prompt", "salt"}], "fresh_cache": bool}
+              | {"kill_pools": ray namespace}
               | {"tier_status": ray namespace} | {"idle": str, "idle_s": float}]}
 
 ``connector`` is TesseraConnector's ``kv_connector_extra_config``; ``kv_transfer_config`` names
@@ -189,9 +191,12 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
             logprobs=1,
             detokenize=False,
         )
-        prompt: dict[str, Any] = {"prompt_token_ids": job["prompt"]}
-        if job.get("salt"):
-            prompt["cache_salt"] = job["salt"]
+        if "batch" in job:  # prompts submitted together: vLLM schedules them in the same steps
+            _run_batch(llm, job, params, out["results"])
+            if spec.get("connector_stats"):
+                out["results"][job["name"]] = {"connector": _take_connector_counts(llm)}
+            continue
+        prompt = _prompt_of(job)
         seconds, results = [], []
         cpu_before, cpu_t0 = (cpu_seconds(), time.perf_counter()) if job.get("cpu") else (None, 0.0)
         for _ in range(job.get("repeat", 1)):
@@ -200,14 +205,8 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             results += llm.generate([prompt], params, use_tqdm=False)
             seconds.append(time.perf_counter() - t0)
-        sample = results[0].outputs[0]
-        assert sample.logprobs is not None
         out["results"][job["name"]] = {
-            "tokens": list(sample.token_ids),
-            "logprobs": [
-                lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs, strict=True)
-            ],
-            "cached": results[0].num_cached_tokens or 0,
+            **_generated(results[0]),
             "cached_runs": [r.num_cached_tokens or 0 for r in results],
             "seconds": seconds[0] if len(seconds) == 1 else seconds,
         }
@@ -217,6 +216,34 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("connector_stats"):
             out["results"][job["name"]]["connector"] = _take_connector_counts(llm)
     return out
+
+
+def _prompt_of(job: dict[str, Any]) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt_token_ids": job["prompt"]}
+    if job.get("salt"):
+        prompt["cache_salt"] = job["salt"]
+    return prompt
+
+
+def _generated(result: Any) -> dict[str, Any]:
+    sample = result.outputs[0]
+    assert sample.logprobs is not None
+    return {
+        "tokens": list(sample.token_ids),
+        "logprobs": [
+            lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs, strict=True)
+        ],
+        "cached": result.num_cached_tokens or 0,
+    }
+
+
+def _run_batch(llm: Any, job: dict[str, Any], params: Any, results: dict[str, Any]) -> None:
+    """A ``batch`` job (``[{"name", "prompt", "salt"}]``) in one ``generate`` call."""
+    if job.get("fresh_cache"):
+        llm.reset_prefix_cache()
+    outputs = llm.generate([_prompt_of(p) for p in job["batch"]], params, use_tqdm=False)
+    for p, result in zip(job["batch"], outputs, strict=True):
+        results[p["name"]] = _generated(result)
 
 
 def _tries(spec: dict[str, Any]) -> dict[str, Any]:

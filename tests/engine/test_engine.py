@@ -46,6 +46,9 @@ PROMPTS = {
 PARTIAL = PROMPTS["long"][: 10 * TIER] + _prompt(40)
 # Working set of the small tier's test: 3 prompts of 10 tier blocks in a 24-block tier.
 EVICT = {f"q{i}": _prompt(10 * TIER + 5) for i in range(1, 5)}
+# Two tenants' prompts (cache salts: two namespaces), asked together of the second engine so
+# that their tier hits load in the same steps.
+TENANTS = {f"tenant-{t}": _prompt(8 * TIER + 5) for t in "ab"}
 
 
 def _full(prompt: list[int]) -> int:
@@ -103,6 +106,14 @@ def _blocks_held(namespace: str) -> list[int]:
     ]
 
 
+def _tenants_batch(suffix: str) -> dict[str, Any]:
+    """Both tenants' prompts in one ``generate`` (results named ``<salt><suffix>``)."""
+    return {
+        "name": "tenants",
+        "batch": [{"name": f"{s}{suffix}", "prompt": p, "salt": s} for s, p in TENANTS.items()],
+    }
+
+
 def _reference(models: dict[str, Path], work: Path, block: int | None, name: str) -> EngineRun:
     """vLLM's own prefix-cache hits, in the engine configuration under test; its cold runs
     store the prompts' blocks in the main tier (it is the first engine of the two)."""
@@ -153,6 +164,33 @@ def reference(tiers: None, models: dict[str, Path], work: Path) -> EngineRun:
 @pytest.fixture(scope="module")
 def second(reference: EngineRun, models: dict[str, Path], work: Path) -> EngineRun:
     return _second(models, work, None, "second")
+
+
+@pytest.fixture(scope="module")
+def tenants(tiers: None, models: dict[str, Path], work: Path) -> tuple[EngineRun, EngineRun]:
+    """vLLM's own hits of both tenants' prompts asked together (its cold runs store them),
+    then another engine asked the same, its prefixes from the tier. A batch decodes unlike
+    one sequence alone, so both engines must put both requests in the same steps: their engine
+    core runs in the process that adds the requests (no race between the two arriving), and
+    the second's scheduler waits for each lookup's answer (an answer still on its way would
+    put that request into a later step)."""
+    base = {"model": str(models["tiny4"]), "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+    connector = {"backend": "ray", "ray_namespace": MAIN}
+    cold = [{"name": f"{s}/cold", "prompt": p, "salt": s} for s, p in TENANTS.items()]
+    reference = {
+        **base,
+        "connector": connector,
+        "kv_role": "kv_producer",
+        "force_prefix_caching": True,
+        "jobs": [*cold, _tenants_batch("/hit")],
+    }
+    loading = {
+        **base,
+        "connector": {**connector, "lookup_wait_s": 10.0},
+        "connector_stats": True,
+        "jobs": [_tenants_batch("")],
+    }
+    return run_engine(reference, work, "tenants-reference"), run_engine(loading, work, "tenants")
 
 
 _COVERED: dict[int, str] = {}
@@ -225,6 +263,21 @@ def test_tier_hit_generates_what_vllms_own_prefix_hit_generates(
         assert same(second.results[name], want), f"{name}: {second.results[name]} != {want}"
     assert reference.results["partial"]["cached"] == 10 * TIER
     assert same(second.results["partial"], reference.results["partial"])
+
+
+def test_two_tenants_hits_loaded_together_each_generate_what_vllm_generates(
+    tenants: tuple[EngineRun, EngineRun],
+) -> None:
+    """Two tenants' prompts asked together: both prefixes come from the tier, each tenant's
+    own (two namespaces, two reads in a step), and each generates what vLLM's own hits of the
+    same two prompts asked together generate."""
+    reference, tenants_run = tenants
+    for salt, prompt in TENANTS.items():
+        want, got = reference.results[f"{salt}/hit"], tenants_run.results[salt]
+        assert want["cached"] == got["cached"] == _full(prompt), salt
+        assert same(got, want), f"{salt}: {got} != {want}"
+    blocks = sum(_full(p) // TIER for p in TENANTS.values())
+    assert tenants_run.results["tenants"]["connector"]["loaded_blocks"] == blocks
 
 
 def test_another_cache_salt_gets_nothing_from_the_tier(

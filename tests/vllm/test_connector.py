@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -21,7 +22,15 @@ from tessera_ray.vllm.connector import (
     TesseraConnectorMetadata,
 )
 from tessera_ray.vllm.keys import prompt_keys
-from tests.vllm._engine import BLOCK, LAYERS, Engine, fake_kv, vllm_config, write_model_dir
+from tests.vllm._engine import (
+    BLOCK,
+    HEAD,
+    LAYERS,
+    Engine,
+    fake_kv,
+    vllm_config,
+    write_model_dir,
+)
 
 _names = itertools.count()
 
@@ -440,3 +449,92 @@ def test_a_cache_group_the_connector_cannot_store_is_refused_naming_it() -> None
         r"model.layers.0.attn, model.layers.1.attn, model.layers.2.attn, \.\.\.\)",
     ):
         engine_groups(KVCacheConfig(8, [], [hybrid[0], KVCacheGroupSpec(layers, chunked)]))
+
+
+class _LendingReads:
+    """``LocalTier.read`` as the mapped and NIXL readers answer: the rows in one staging buffer
+    that the next read overwrites (``lent``), with the addresses each read handed out."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tessera_ray.actors.messages import BlockReads
+        from tessera_ray.vllm.tiers import LocalTier
+
+        self.staging = np.zeros((0, 0), np.uint8)
+        read = LocalTier.read
+
+        def lent(tier: LocalTier, namespace: str, keys: Any, hits: Any = None) -> BlockReads:
+            reads = read(tier, namespace, keys, hits)
+            if self.staging.shape[1] != reads.payloads.shape[1]:
+                self.staging = np.zeros((64, reads.payloads.shape[1]), np.uint8)
+            n = len(reads.payloads)
+            self.staging[:n] = reads.payloads
+            return BlockReads.of(reads.block_hashes, self.staging[:n], lent=True)
+
+        monkeypatch.setattr(LocalTier, "read", lent)
+
+    def holds(self, values: torch.Tensor) -> bool:
+        """Whether ``values`` is a view of the staging buffer (no copy of it)."""
+        lo = self.staging.ctypes.data
+        at = values.untyped_storage().data_ptr()
+        return lo <= at < lo + self.staging.nbytes
+
+
+def test_two_tenants_hits_in_one_step_each_load_their_own_bytes(
+    model_dir: Path, extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests of other cache salts (two namespaces, two reads in one step) through a
+    reader whose next read reuses its staging memory: each loads its own prefix's bytes."""
+    a, b = prompt(200, 1), prompt(200, 2)
+    first = _store(model_dir, extra, a, salt="s1")
+    first.scheduler.add_request(first.request("B0", b, cache_salt="s2"))
+    first.step()
+    _LendingReads(monkeypatch)
+    second = Engine(vllm_config(model_dir, extra))
+    second.scheduler.add_request(second.request("X", a[:192] + prompt(10, 3), cache_salt="s1"))
+    second.scheduler.add_request(second.request("Y", b[:192] + prompt(10, 4), cache_salt="s2"))
+
+    result = second.step()
+
+    assert result.load_errors == set()
+    loads = result.output.kv_connector_metadata.plan.loads
+    assert len({load.namespace for load in loads}) == len(loads) == 2
+    for tokens, req in ((a, "X"), (b, "Y")):
+        for layer, got in enumerate(second.rows(req, 0, 192)):
+            assert torch.equal(got, fake_kv(tokens[:192], layer).view(torch.uint8)), (req, layer)
+
+
+def test_a_hit_is_copied_once_from_where_its_read_landed_into_the_cache(
+    model_dir: Path, extra: dict[str, Any], block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every byte of a hit goes into vLLM's cache straight from the memory the read landed in
+    (no copy in between), and exactly once."""
+    from tessera_ray.vllm.planes import LayerPlanes
+
+    stored = prompt(200)
+    _store(model_dir, extra, stored, block=block)
+    lending = _LendingReads(monkeypatch)
+    writes: list[tuple[int, bool]] = []
+    write_tokens, scatter = LayerPlanes.write_tokens, LayerPlanes.scatter
+
+    def counted_write(planes: LayerPlanes, ids: torch.Tensor, values: torch.Tensor, *a: Any):
+        writes.append((values.numel() * values.element_size(), lending.holds(values)))
+        return write_tokens(planes, ids, values, *a)
+
+    def counted_scatter(planes: LayerPlanes, rows: torch.Tensor, values: torch.Tensor) -> None:
+        writes.append((values.numel() * values.element_size(), lending.holds(values)))
+        scatter(planes, rows, values)
+
+    monkeypatch.setattr(LayerPlanes, "write_tokens", counted_write)
+    monkeypatch.setattr(LayerPlanes, "scatter", counted_scatter)
+    second = Engine(vllm_config(model_dir, extra, block_size=block))
+    tokens = stored[:192] + prompt(40, 1)
+    second.scheduler.add_request(second.request("B", tokens))
+
+    result = second.step()
+
+    assert result.load_errors == set()
+    for layer, got in enumerate(second.rows("B", 0, 192)):
+        assert torch.equal(got, fake_kv(stored[:192], layer).view(torch.uint8))
+    hit_bytes = 192 * HEAD * 2 * len(LAYERS)  # bf16 rows of 576 values, every layer
+    assert sum(n for n, _ in writes) == hit_bytes
+    assert all(straight for _, straight in writes), writes
