@@ -103,8 +103,13 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "benchmarks/profiles",
     ),
     "kernels": ("tessera_ray/kernels", "tessera_ray/layout", "tessera_ray/core"),
-    "engine": _ENGINE,
-    "engine_v4": (*_ENGINE, "benchmarks/bench_engine.py", "tests/engine/v4_plugin"),
+    "engine": (*_ENGINE, "benchmarks/_engine_rows.py"),
+    "engine_v4": (
+        *_ENGINE,
+        "benchmarks/bench_engine.py",
+        "benchmarks/_engine_rows.py",
+        "tests/engine/v4_plugin",
+    ),
     "engine_cpu": (*_ENGINE, "benchmarks/bench_engine.py", "tests/engine/_proc_cpu.py"),
     "serve": (
         *_ENGINE,
