@@ -90,8 +90,9 @@ def test_planes_read_and_write_each_tokens_k_then_v(packing: str) -> None:
 
 @pytest.mark.parametrize("packing", sorted(PACKINGS))
 @pytest.mark.parametrize(("first", "length"), [(0, N), (16, 16), (8, 8)])
+@pytest.mark.parametrize("ids", [[2, 0], [1, 2]], ids=["apart", "consecutive"])
 def test_block_writes_from_strided_pages_equal_row_writes(
-    packing: str, first: int, length: int
+    packing: str, first: int, length: int, ids: list[int]
 ) -> None:
     """``write_tokens`` from a strided view (every other page of a staging buffer, as a layer's
     pages sit among the other layers' in a tier block) leaves the cache exactly as the
@@ -103,17 +104,19 @@ def test_block_writes_from_strided_pages_equal_row_writes(
     staged = torch.randn(2, 2, length, 2 * H * D, generator=gen).to(torch.bfloat16)
     new = staged[:, 1]  # [2 blocks, length, row]: not contiguous
     assert not new.is_contiguous()
-    blocks = torch.tensor([2, 0])
-    PLANE_BUILDERS[packing](by_blocks, D).write_tokens(blocks, new, first)
+    PLANE_BUILDERS[packing](by_blocks, D).write_tokens(torch.tensor(ids), new, first)
     offsets = torch.arange(first, first + length)
-    rows = torch.cat([2 * N + offsets, offsets])
+    rows = torch.cat([ids[0] * N + offsets, ids[1] * N + offsets])
     PLANE_BUILDERS[packing](by_rows, D).scatter(rows, new.reshape(2 * length, -1))
     assert torch.equal(by_blocks, by_rows)
-    assert torch.equal(by_blocks[1], PACKINGS[packing](k, v)[1])
+    (spare,) = {0, 1, 2} - set(ids)
+    assert torch.equal(by_blocks[spare], PACKINGS[packing](k, v)[spare])
     untouched = [r for r in range(N) if not first <= r < first + length]
     assert not untouched or torch.equal(
         PLANE_BUILDERS[packing](by_blocks, D).gather(torch.tensor(untouched, dtype=torch.long)),
-        PLANE_BUILDERS[packing](PACKINGS[packing](k, v), D).gather(torch.tensor(untouched, dtype=torch.long)),
+        PLANE_BUILDERS[packing](PACKINGS[packing](k, v), D).gather(
+            torch.tensor(untouched, dtype=torch.long)
+        ),
     )
 
 
