@@ -65,9 +65,10 @@ def staged(payloads: np.ndarray) -> torch.Tensor:
 def land_run(planes: LayerPlanes, pages: torch.Tensor, run: LoadRun, engine_tokens: int) -> None:
     """Write one layer's share of ``run`` into its cache, straight from the staged pages (no
     copy in between). ``pages``: the layer's pages of the run's part, ``[blocks, T, row]`` (a
-    strided view of the staged payloads). Whole engine blocks go in one block-indexed copy per
-    plane and tier block in an engine block; the partial engine blocks at either end one
-    tier block's share at a time."""
+    strided view of the staged payloads). Whole engine blocks go by :meth:`LayerPlanes.write_tokens`
+    (a slice copy per run of consecutive block ids), once per tier block slot of an engine block
+    or engine block slot of a tier block; the partial engine blocks at either end one tier
+    block's share at a time."""
     t, e, rows = pages.shape[1], engine_tokens, run.rows
     blocks = pages[run.first : run.first + run.count]
 
@@ -111,7 +112,9 @@ def _land_blocks(
         for j in range(k):
             planes.write_tokens(ids, src[j::k], j * t)
         return
-    k = t // e  # a tier block is k engine blocks: slot j of each tier block, in one copy
+    # A tier block is k engine blocks: slot j of each tier block (every k-th engine id, so
+    # one copy per block where runs of consecutive ids would allow fewer).
+    k = t // e
     slots = blocks.view(len(blocks), k, e, blocks.shape[2])
     u0 = at // e
     for j in range(k):
