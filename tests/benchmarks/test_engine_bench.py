@@ -1,6 +1,6 @@
 """bench_engine.py's comparisons, without engines: the engines it compares differ only in the
 connector, its warm-up request touches no tier block, a peer counts only with a full-prefix
-hit, and the decode row's verdict follows its starts' spread."""
+hit, and the decode row's verdict follows a bootstrap interval over paired starts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tests.benchmarks.contract import ROOT
 from tests.connector.test_connector_config import _Request, _Tier
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import _engine_rows
 import bench_engine
 
 sys.path.pop(0)
@@ -76,19 +77,24 @@ def test_a_peer_counts_only_where_every_run_loaded_the_whole_prefix() -> None:
 COUNTS = {"worker_steps": 100, "forward_s": 0.002, "scheduler_s": 0.001, "store_cpu_s": 0.0}
 
 
-def test_decode_cost_is_the_ratio_of_medians_with_a_verdict_from_the_spread() -> None:
-    steady = [0.0100, 0.0101, 0.0099, 0.0100, 0.0102, 0.0100, 0.0101]
+def test_decode_cost_is_the_ratio_of_medians_with_a_verdict_from_a_paired_interval() -> None:
+    steady = [0.0100, 0.0101, 0.0099, 0.0100, 0.0102, 0.0100, 0.0101, 0.0100, 0.0099]
     cost, hooks = bench_engine.decode_rows("", steady, [s * 1.02 for s in steady], COUNTS)
     assert cost.target_ratio == 0.95 and cost.verdict == "met"
     assert cost.ratio == pytest.approx(1 / 1.02)
     assert cost.derived_from is None
     slow = bench_engine.decode_rows("", steady, [s * 1.2 for s in steady], COUNTS)[0]
     assert slow.verdict == "MISSED" and "lower bound" in slow.to_json()["note"]
-    # Starts without the connector that spread wider than the 5% margin decide nothing.
-    noisy = [*steady[:-1], 0.0120]
-    vague = bench_engine.decode_rows("", noisy, steady, COUNTS)[0]
+    # Pairs whose ratio lands on both sides of the target decide nothing.
+    plain = [0.0100] * 9
+    mixed = [0.0100, 0.0110, 0.0100, 0.0110, 0.0105, 0.0100, 0.0110, 0.0105, 0.0108]
+    vague = bench_engine.decode_rows("", plain, mixed, COUNTS)[0]
+    ratio, lo, hi = _engine_rows.paired_interval(plain, mixed)
+    assert lo < 0.95 < hi and ratio == pytest.approx(0.0100 / 0.0105)
     assert vague.verdict == "inconclusive" and not vague.missed
     assert "inconclusive on this machine" in vague.to_json()["note"]
+    with pytest.raises(ValueError, match="do not pair"):
+        _engine_rows.paired_interval(plain, mixed[:-1])
     # The self-timed hook row has no target, is derived, and calls itself a lower bound.
     assert hooks.target_ratio is None and hooks.derived_from and "lower bound" in hooks.note
     assert hooks.to_json()["derived"] is True
