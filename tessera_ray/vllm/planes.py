@@ -90,9 +90,9 @@ class LayerPlanes:
 
     def write_tokens(self, blocks: torch.Tensor, values: torch.Tensor, first: int = 0) -> None:
         """Write ``values`` (``[len(blocks), L, row_values]``, this layer's dtype, any strides)
-        into tokens ``[first, first + L)`` of each cache block of ``blocks``: one block-indexed
-        copy per plane, read straight from ``values`` (a view of staged pages needs no copy
-        first)."""
+        into tokens ``[first, first + L)`` of each cache block of ``blocks``: per plane, one
+        slice copy per run of consecutive block ids, read straight from ``values`` (a view of
+        staged pages needs no copy first)."""
         n, length = values.shape[0], values.shape[1]
         if any(first % p.shape[2] or length % p.shape[2] for p in self.planes):
             # The tokens are not whole rows of a plane's second token axis: row by row.
