@@ -109,6 +109,10 @@ class BlockReads:
     lent: bool = False
     """``payloads`` is a view of the reader's staging memory, which its next read reuses: a
     caller that keeps the rows past that read copies them first."""
+    pinned: bool = False
+    """``payloads`` is a view of the pool's own pages (mapped into the reader's process), which
+    stay as they are only while the read's pin holds: the tier ends the pin when the caller
+    says it copied them (:meth:`~tessera_ray.vllm.backend.TierBackend.end_reads`)."""
 
     @classmethod
     def of(
@@ -119,6 +123,7 @@ class BlockReads:
         verified: bool = False,
         carrier: str = "",
         lent: bool = False,
+        pinned: bool = False,
     ) -> BlockReads:
         rows, held = [], 0
         for h in block_hashes:
@@ -126,7 +131,7 @@ class BlockReads:
             held += h is not None
         if held != len(payloads):
             raise ValueError(f"{held} blocks held, {len(payloads)} payload rows")
-        return cls(tuple(block_hashes), payloads, tuple(rows), verified, carrier, lent)
+        return cls(tuple(block_hashes), payloads, tuple(rows), verified, carrier, lent, pinned)
 
     @classmethod
     def joined(cls, parts: Sequence[BlockReads]) -> BlockReads:

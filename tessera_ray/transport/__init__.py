@@ -7,6 +7,7 @@ t.register(pool)``, publish ``info``; each reader calls ``t.add_peers([...])``. 
 :func:`export_pages`; the reader calls :func:`fetch_verified`; the owner unpins.
 """
 
+from tessera_ray.transport._mapped import MAPPED, MappedPeer
 from tessera_ray.transport._records import DeviceShare, MemoryShare
 from tessera_ray.transport.base import (
     PeerInfo,
@@ -47,6 +48,8 @@ __all__ = [
     "SameNode",
     "SAME_NODE_MODES",
     "MemoryShare",
+    "MAPPED",
+    "MappedPeer",
     "DeviceShare",
     "TRANSPORTS",
     "PeerInfo",

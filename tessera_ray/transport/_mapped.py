@@ -22,6 +22,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tessera_ray.core import BlockPool
@@ -157,6 +158,17 @@ class MappedPeer:
             _wide(dst).index_copy_(0, index, rows.to(dst.device))
         if dst.device.type == "cuda":
             torch.cuda.current_stream(dst.device).synchronize()  # landed when this returns
+
+    def host_pages(self, group: int) -> np.ndarray | None:
+        """Layer group ``group``'s pages in place, read-only ``uint8 [num_pages, page_bytes]``
+        (``None``: a device share, or closed). A view keeps the mapping alive however the peer
+        is closed meanwhile (:meth:`SlabMapping.close`), so reading it never faults; whether its
+        bytes are still the owner's is for the caller's pin and :meth:`alive` to say."""
+        with self._lock:
+            src = self._groups[group] if group < len(self._groups) else None
+            if not isinstance(src, SlabMapping) or src.closed:
+                return None
+            return src.pages(src.info.num_pages)
 
     def alive(self) -> bool:
         """Whether the owner still holds its memory. Host pools answer by the slab's lock; a

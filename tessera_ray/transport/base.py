@@ -34,7 +34,7 @@ from typing import Any
 
 from tessera_ray.core import BlockPool
 from tessera_ray.errors import TransportConfigError, TransportError
-from tessera_ray.transport._mapped import MAPPED, open_same_node, share_pools
+from tessera_ray.transport._mapped import MAPPED, MappedPeer, open_same_node, share_pools
 from tessera_ray.transport._mapped_reads import MappedReads
 from tessera_ray.transport._records import (
     MemoryShare,
@@ -192,6 +192,11 @@ class Transport(ABC):
         if peer not in self._peers:
             raise TransportError(f"unknown peer {peer!r}; add_peers() its PeerInfo first")
         return MAPPED if peer in self._mapped.peers else self.kind
+
+    def mapped_peer(self, peer: str) -> MappedPeer | None:
+        """``peer``'s memory as mapped here (``None``: its reads take the backend), for a reader
+        that reads pinned pages in place rather than copying them out."""
+        return self._mapped.peers.get(peer)
 
     @property
     def mapped_reads(self) -> int:

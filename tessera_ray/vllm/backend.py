@@ -134,6 +134,14 @@ class TierBackend(abc.ABC):
         holders to pull from); ``None`` reads what the reader's own pool holds. Not verified
         here."""
 
+    def end_reads(self) -> bool:
+        """The caller copied what every read since the last call returned ``pinned``
+        (:class:`~tessera_ray.actors.messages.BlockReads`): end those pins. ``False`` when a pin
+        may have lapsed before this call, so that the pool may have reused its pages while they
+        were copied: the caller then treats those copies as failed (nothing pinned here:
+        ``True``)."""
+        return True
+
     @abc.abstractmethod
     def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
         """The blocks under ``keys`` came back with bytes that do not match their hash: the

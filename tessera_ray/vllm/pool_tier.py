@@ -14,6 +14,8 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -33,9 +35,13 @@ from tessera_ray.vllm.config import TesseraConnectorConfig
 from tessera_ray.vllm.loop import run_on_loop, submit_on_loop
 from tessera_ray.vllm.nixl_reader import PoolReader
 
-__all__ = ["PoolTier", "read_secret"]
+__all__ = ["PIN_MARGIN_S", "PoolTier", "read_secret"]
 
 log = logging.getLogger(__name__)
+
+PIN_MARGIN_S = 1.0
+"""How long before a pin's lease ends the copies out of its pages must be done: the pool may
+reuse the pages from then, and two processes' wall clocks agree only to a tick."""
 _T = TypeVar("_T")
 
 
@@ -60,6 +66,9 @@ class PoolTier(TierBackend):
         """The pool process the reader's peer is (``None``: the one ``prepare_reads`` met)."""
         self._reader_stale = False
         """A NIXL read failed: ask the pool for its agent again before the next one."""
+        self._held: list[PinTicket] = []
+        """Pins of reads served in place, until :meth:`end_reads` (the worker's step ends)."""
+        self._held_lock = threading.Lock()  # read on the worker's read thread, ended on its own
 
     # ---------------------------------------------------------------- how the pool is reached
 
@@ -145,6 +154,7 @@ class PoolTier(TierBackend):
             )
 
     def release_reads(self) -> None:
+        self.end_reads()
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
@@ -186,20 +196,35 @@ class PoolTier(TierBackend):
         if reader is None:
             return self._run("tier read", self._pull_and_read(access, keys, hits))
         ticket = self._run("tier pin", self._pull_and_pin(access, keys, hits))
+        kept = False
         try:
             self._saw(ticket.incarnation)
             if ticket.incarnation != self._reader_incarnation:
                 if self._reader_incarnation is not None or self._reader_stale:
                     self._repoint(reader)  # a new pool process: its NIXL agent is new
                 self._reader_incarnation, self._reader_stale = ticket.incarnation, False
-            if reader.fits(ticket):
-                return reader.read(ticket, self.timeout_s)
+            reads = reader.read(ticket, self.timeout_s)
+            if reads is not None:
+                if reads.pinned:  # views of the pool's pages: the pin lasts until end_reads
+                    with self._held_lock:
+                        self._held.append(ticket)
+                    kept = True
+                return reads
         except TransportError as exc:  # the pool's agent went away: its answers still work
             log.warning("pool %s's memory read failed (%s); reading its answer", self.pool, exc)
             self._reader_incarnation, self._reader_stale = None, True
         finally:
-            self._unpin(ticket.id)
+            if not kept:
+                self._unpin(ticket.id)
         return self._run("tier read", self._read_blocks(access, keys))
+
+    def end_reads(self) -> bool:
+        with self._held_lock:
+            held, self._held = self._held, []
+        now = time.time()  # the pool's lease clock: the same machine's wall clock
+        for ticket in held:
+            self._unpin(ticket.id)
+        return all(now < ticket.expires_at_s - PIN_MARGIN_S for ticket in held)
 
     def _repoint(self, reader: PoolReader) -> None:
         peer = self._run("tier peer", self._peer())

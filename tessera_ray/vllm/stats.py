@@ -42,8 +42,11 @@ class _Counts:
     loaded_blocks: int = 0
     """Tier blocks read and verified for loading."""
     mapped_blocks: int = 0
-    """Of those, the blocks copied out of this node's pool's memory mapped in this process
+    """Of those, the blocks read out of this node's pool's memory mapped in this process
     (the rest came over NIXL or in a Ray call's payload)."""
+    in_place_blocks: int = 0
+    """Of the mapped ones, the blocks copied into vLLM's cache straight from the pool's pinned
+    pages (one copy; the others were copied out into staging memory first)."""
     failed_blocks: int = 0
     """Engine blocks whose load failed (vLLM recomputes them); for a hybrid model, requests."""
     load_s: float = 0.0

@@ -8,16 +8,17 @@ positions in every layer, in layer order. Rows move as raw bytes (a dtype view, 
 conversion), so what is loaded is byte-identical to what was saved, and the engine's block size
 may differ from the tier's.
 
-Loads never leave a partial tier block in vLLM's cache. The step's tier blocks are read into a
-staging buffer first and each block's bytes are checked against the block hash the pool sealed
-them under (recomputed from the bytes as the pool computes it). That hash, not the one the
-scheduler's lookup returned, is the check: under one token key another pool may hold
-different, equally valid bytes (KV recomputed by an engine that is not bitwise reproducible),
-and refusing those would recompute the block on every request. Only verified blocks are
-copied into the cache, one layer at a time as each attention layer asks for it, and only the
-positions vLLM counts as loaded; a block that is missing or fails the check, and every later
-block of the same request, is not copied at all and its engine blocks are reported as load
-errors, so vLLM recomputes from there.
+Loads never leave a partial tier block in vLLM's cache. The step's tier blocks are read first
+(the pool's pinned pages themselves where its memory is mapped here, else a staging buffer) and
+each block's bytes are checked against the block hash the pool sealed them under (recomputed
+from the bytes as the pool computes it); pins end once the step's copies are done. That hash,
+not the one the scheduler's lookup returned, is the check: under one token key another pool may
+hold different, equally valid bytes (KV recomputed by an engine that is not bitwise
+reproducible), and refusing those would recompute the block on every request. Only verified
+blocks are copied into the cache, one layer at a time as each attention layer asks for it, and
+only the positions vLLM counts as loaded; a block that is missing or fails the check, and
+every later block of the same request, is not copied at all and its engine blocks are reported
+as load errors, so vLLM recomputes from there.
 
 A layer's load is copied when its attention asks for it (``wait_for_layer_load``), after vLLM
 wrote the step's own KV: the positions are disjoint, so the order does not matter. A layer whose
@@ -43,6 +44,7 @@ from tessera_ray.actors.messages import BlockReads
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
+from tessera_ray.transport import MAPPED
 from tessera_ray.vllm.backend import TierBackend
 from tessera_ray.vllm.loads import LoadOutcome, LoadRun, land_run, staged, verified_block
 from tessera_ray.vllm.planes import LayerPlanes, mla_planes
@@ -94,11 +96,14 @@ class WorkerMover:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-read")
         self._stores = StoreQueue(tier, self.counters, max_pending=max_pending_saves)
         self._closed = False
+        self._pending: Future[LoadOutcome] | None = None
         self._reset()
 
     def _reset(self) -> None:
+        if self._pending is not None:  # a step that never finished: its pins end here
+            self.tier.end_reads()
         self._plan = StepPlan()
-        self._pending: Future[LoadOutcome] | None = None
+        self._pending = None
         self._outcome: LoadOutcome | None = None
         self._copied: set[int] = set()
         self._late = False
@@ -172,7 +177,7 @@ class WorkerMover:
             by_ns.setdefault(load.namespace, []).append(load)
         unverified: dict[str, list[TokenKey]] = {}
         t, e = self.tier_tokens, self.engine_tokens
-        verified = mapped = 0
+        verified = mapped = in_place = 0
         for i, (namespace, group) in enumerate(by_ns.items()):
             keys = [k for load in group for k in load.token_keys]
             hits = [h for load in group for h in load.hits]
@@ -209,7 +214,8 @@ class WorkerMover:
                     raise LayoutError("a tier read's held blocks are not in key order")
                 first += len(load.token_keys)
                 verified += n
-                mapped += n if reads.carrier == "mapped" else 0
+                mapped += n if reads.carrier == MAPPED else 0
+                in_place += n if reads.pinned else 0
                 end = min(load.rows.stop, load.tier_position + n * t)
                 if end > load.rows.start:
                     skip = load.rows.start - load.tier_position
@@ -221,7 +227,7 @@ class WorkerMover:
                     # from the first failed engine block, so later ones would be overwritten.
                     outcome.failed_blocks |= load.rows.blocks_from(end, e)
                     outcome.failed_requests.add(load.req_id)
-        self.counters.add(loaded_blocks=verified, mapped_blocks=mapped)
+        self.counters.add(loaded_blocks=verified, mapped_blocks=mapped, in_place_blocks=in_place)
         for namespace, keys in unverified.items():
             try:  # the tier drops what rotted in it, so the next save stores it afresh
                 self.tier.report_unverified(namespace, keys)
@@ -295,12 +301,19 @@ class WorkerMover:
         if self._pending is not None:
             missed = [layer for layer in self._layers.values() if layer.index not in self._copied]
             outcome = self._loaded()
-            if missed and outcome is not None and outcome.runs:
-                log.error(
-                    "vLLM ran attention of %d layers without waiting for their loads; "
-                    "reporting this step's loaded blocks as failed so vLLM recomputes them",
-                    len(missed),
-                )
+            pinned = self.tier.end_reads()  # every layer's copy out of pinned pages is done
+            if outcome is not None and outcome.runs and (missed or not pinned):
+                if missed:
+                    log.error(
+                        "vLLM ran attention of %d layers without waiting for their loads; "
+                        "reporting this step's loaded blocks as failed so vLLM recomputes them",
+                        len(missed),
+                    )
+                else:
+                    log.error(
+                        "this step's loads were copied out of pool pages whose pin may have "
+                        "lapsed; reporting them as failed so vLLM recomputes them"
+                    )
                 late = self._all_failed()
                 outcome.failed_blocks |= late.failed_blocks
                 outcome.failed_requests |= late.failed_requests

@@ -1,9 +1,9 @@
 """The connector worker's read path to a pool (``RayTier.read`` after ``prepare_reads``): pinned
-blocks are copied out of the pool's memory mapped into this process when the pool is on this
-process's node, and read one-sided over NIXL from a pool on another node, into staging memory
-registered once; every page is checked against its seal where it landed; a rotten page reads as
-not held; a read larger than the staging memory, or a pool without NIXL, goes through Ray's
-object store, same bytes."""
+blocks are read in place out of the pool's memory mapped into this process when the pool is on
+this process's node (copied out into staging memory registered once where they do not lie at
+one stride), and one-sided over NIXL from a pool on another node; every page is checked against
+its seal; a rotten page reads as not held; a copied read larger than the staging memory, or a
+pool without NIXL, goes through Ray's object store, same bytes."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
     return random_blocks(LAYOUT, NS, n, seed)
 
 
-def test_reads_from_this_nodes_pool_copy_its_mapped_memory_and_match_the_seal(
+def test_reads_from_this_nodes_pool_take_its_mapped_memory_and_match_the_seal(
     tier: TesseraClient,
 ) -> None:
     reader = RayTier(TesseraConnectorConfig(ray_namespace=RAY_NS))
@@ -55,6 +55,7 @@ def test_reads_from_this_nodes_pool_copy_its_mapped_memory_and_match_the_seal(
     assert [g.block_hash for g in got if g is not None] == [
         payload_block_hash(LAYOUT, NS, r) for r in rows[:3]
     ]
+    assert reader.end_reads()
 
     # Page 1 of block 1 rots in the pool's memory: that block reads as not held (the load
     # recomputes it), the others still land.
@@ -66,7 +67,13 @@ def test_reads_from_this_nodes_pool_copy_its_mapped_memory_and_match_the_seal(
     got = reader.read(NS, keys[:3])
     assert [g is None for g in got] == [False, True, False]
     assert np.array_equal(got[2].payload, rows[2])  # type: ignore[union-attr]
-    assert reader._reader.transport.mapped_reads >= 2  # both reads took the mapped path
+    assert reader.end_reads()
+    # Read in reverse, the blocks lie at no forward stride: copied out, checked where they land.
+    got = reader.read(NS, keys[2::-1])
+    assert [g is None for g in got] == [False, True, False]
+    assert np.array_equal(got[0].payload, rows[2])  # type: ignore[union-attr]
+    assert reader._reader.in_place_reads == 2 and reader._reader.transport.mapped_reads == 1
+    reader.release_reads()
 
 
 def test_reads_from_a_pool_on_another_node_go_over_nixl(
@@ -96,8 +103,9 @@ def test_a_read_beyond_the_staging_memory_goes_through_the_object_store(
     keys, rows = _blocks(3, 2)
     reader.store(NS, keys, rows)
     assert np.array_equal(reader.read(NS, keys[:1])[0].payload, rows[0])  # type: ignore[union-attr]
-    got = reader.read(NS, keys)
-    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
+    got = reader.read(NS, keys[::-1])  # at no forward stride: copied, and beyond the staging
+    assert not got.pinned and got.carrier == ""
+    assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows[::-1])
     reader.release_reads()  # the worker shuts down: its NIXL agent goes, reads still work
     assert reader._reader is None
     assert np.array_equal(reader.read(NS, keys[:1])[0].payload, rows[0])  # type: ignore[union-attr]

@@ -27,7 +27,7 @@ from tessera_ray.actors.client import TesseraClient
 from tessera_ray.actors.directory import Holder, Tier
 from tessera_ray.actors.pool_link import PoolLink
 from tessera_ray.layout import MLAConfig, build_layout
-from tessera_ray.vllm import node_tier
+from tessera_ray.vllm import node_tier, pool_tier
 from tessera_ray.vllm.backend import TierUnavailableError
 from tessera_ray.vllm.config import TesseraConnectorConfig
 from tessera_ray.vllm.keys import payload_block_hash
@@ -339,32 +339,67 @@ def test_without_an_announcement_the_connector_joins_ray_instead(tier: TesseraCl
         open_tier(config, LAYOUT)  # the Ray road, which knows no such pool either
 
 
-@pytest.mark.parametrize("reader", ["slab", "mapped"])
-def test_a_read_lands_once_and_is_lent_where_it_landed(tier: TesseraClient, reader: str) -> None:
-    """A local hit's bytes are copied once, by the pool into this engine's read slab or out of
-    its mapped memory into the reader's staging, and handed over where they landed (lent: the
-    next read reuses that memory), not copied out again."""
-    extra = {"nixl_staging_bytes": 0} if reader == "slab" else {}
-    road = _node_tier(tier.pools[0], **extra)
+def test_a_read_lands_once_and_is_lent_where_it_landed(tier: TesseraClient) -> None:
+    """Without a mapped reader, a local hit's bytes are copied once, by the pool into this
+    engine's read slab, and handed over where they landed (lent: the next read reuses that
+    memory), not copied out again."""
+    road = _node_tier(tier.pools[0], nixl_staging_bytes=0)
     road.prepare_reads()
+    assert road._reader is None
     keys, rows = _blocks(3, 23)
     road.store(NS, keys, rows)
     got = road.read(NS, keys, road.lookup(NS, keys))
     assert np.array_equal(got.payloads, rows)
-    if reader == "slab":
-        landed = road._read_slab.get()
-        assert landed is not None
-        assert got.carrier == "slab"
-        assert np.shares_memory(got.payloads, landed[1])
-    else:
-        assert road._reader is not None, "no mapped reader on the pool's own node"
-        assert got.carrier == "mapped"
-        assert np.shares_memory(got.payloads, road._reader.staging.data.numpy())
-    assert got.lent
+    landed = road._read_slab.get()
+    assert landed is not None
+    assert got.carrier == "slab" and got.lent and not got.pinned
+    assert np.shares_memory(got.payloads, landed[1])
     # The next read writes the same memory: what a caller keeps past it, it copies first.
     other, other_rows = _blocks(3, 24)
     road.store(NS, other, other_rows)
     again = road.read(NS, other, road.lookup(NS, other))
     assert np.shares_memory(again.payloads, got.payloads)
     assert np.array_equal(got.payloads, other_rows)
+    road.release_reads()
+
+
+def _pins(client: TesseraClient, pool: str) -> int:
+    actor = client.pool(pool)
+    return int(ray.get(actor.__ray_call__.remote(lambda self: len(self.svc.leases.pins))))
+
+
+def test_a_read_from_the_pools_mapped_memory_is_not_copied_and_stays_pinned_until_ended(
+    tier: TesseraClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the pool's memory mapped here, a hit is not copied out at all: the read hands over
+    the pool's own pinned pages (checked against their seal where they lie), the pin lasts until
+    the caller says it copied them (``end_reads``), and a pin that may have lapsed by then
+    fails that call, so the copies are not trusted."""
+    pool = tier.pools[0]
+    road = _node_tier(pool)
+    road.prepare_reads()
+    reader = road._reader
+    assert reader is not None and reader.carrier == "mapped", "no mapped reader on this node"
+    keys, rows = _blocks(3, 25)
+    road.store(NS, keys, rows)
+    before = _pins(tier, pool)
+    got = road.read(NS, keys, road.lookup(NS, keys))
+    assert got.pinned and not got.lent and got.verified
+    assert np.array_equal(got.payloads, rows)
+    mapped = reader.transport.mapped_peer(reader.peer)
+    assert mapped is not None
+    pages = mapped.host_pages(0)
+    assert pages is not None and np.shares_memory(got.payloads, pages)
+    assert reader.transport.mapped_reads == 0 and reader.in_place_reads == 1
+    assert _pins(tier, pool) == before + 1  # held while the caller copies
+    assert road.end_reads()
+    deadline = time.monotonic() + 5.0  # the unpin is sent without waiting for its answer
+    while _pins(tier, pool) != before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _pins(tier, pool) == before
+    # A pin whose lease ends within the margin by the time the copies are done: not trusted.
+    monkeypatch.setattr(pool_tier, "PIN_MARGIN_S", 1e9)
+    assert road.read(NS, keys, road.lookup(NS, keys)).pinned
+    assert not road.end_reads()
+    assert road.end_reads()  # nothing held any more
     road.release_reads()

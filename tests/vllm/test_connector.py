@@ -538,3 +538,53 @@ def test_a_hit_is_copied_once_from_where_its_read_landed_into_the_cache(
     hit_bytes = 192 * HEAD * 2 * len(LAYERS)  # bf16 rows of 576 values, every layer
     assert sum(n for n, _ in writes) == hit_bytes
     assert all(straight for _, straight in writes), writes
+
+
+@pytest.mark.parametrize("lapsed", [False, True], ids=["pin-held", "pin-lapsed"])
+def test_a_pinned_read_ends_its_pin_after_every_copy_and_a_lapsed_pin_fails_the_load(
+    model_dir: Path, extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch, lapsed: bool
+) -> None:
+    """A read served in the pool's own pinned pages (``pinned``) is copied into the cache
+    before its pin ends, once per step; a pin that may have lapsed by then reports the step's
+    loads as failed (the pool may have reused those pages), and vLLM recomputes them."""
+    import dataclasses
+
+    from tessera_ray.vllm.planes import LayerPlanes
+    from tessera_ray.vllm.tiers import LocalTier
+
+    stored = prompt(200)
+    first = _store(model_dir, extra, stored)
+    read, write_tokens = LocalTier.read, LayerPlanes.write_tokens
+    writes: list[int] = []
+    ended: list[int] = []  # the writes done when each pin ended
+
+    def pinned(tier: LocalTier, namespace: str, keys: Any, hits: Any = None) -> Any:
+        return dataclasses.replace(read(tier, namespace, keys, hits), pinned=True)
+
+    def end_reads(tier: LocalTier) -> bool:
+        ended.append(len(writes))
+        return not lapsed
+
+    def counted(planes: LayerPlanes, ids: torch.Tensor, values: torch.Tensor, *a: Any) -> None:
+        writes.append(values.numel())
+        write_tokens(planes, ids, values, *a)
+
+    monkeypatch.setattr(LocalTier, "read", pinned)
+    monkeypatch.setattr(LocalTier, "end_reads", end_reads, raising=False)
+    monkeypatch.setattr(LayerPlanes, "write_tokens", counted)
+    second = Engine(vllm_config(model_dir, extra))
+    tokens = stored[:192] + prompt(40, 1)
+    second.scheduler.add_request(second.request("B", tokens))
+
+    result = second.step()
+
+    assert writes and ended[0] == len(writes), (ended, len(writes))  # after the last copy
+    if not lapsed:
+        assert result.load_errors == set()
+        assert second.scheduler.requests["B"].num_computed_tokens == len(tokens)
+        return
+    assert result.load_errors, "a lapsed pin's copies were trusted"
+    assert second.scheduler.requests["B"].num_computed_tokens == 0
+    second.step()  # vLLM recomputes the prefix
+    for got, want in zip(second.rows("B", 0, 192), first.rows("A", 0, 192), strict=True):
+        assert torch.equal(got, want)
