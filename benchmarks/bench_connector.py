@@ -44,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 os.environ.setdefault("UCX_MODULES", "^ib")
 
+from _engine_rows import memcpy_seconds  # noqa: E402
 from common import Row, parse_args, start_local_ray, write_result  # noqa: E402
 
 TOKENS = 4096
@@ -99,16 +100,6 @@ def _lookups(road: Any, keys: list[bytes]) -> None:
 def _lookup_then_read(road: Any, keys: list[bytes]) -> Any:
     """The scheduler's lookup (which starts the pull), then the worker's read."""
     return road.read(NS, keys, road.lookup(NS, keys))
-
-
-def _memcpy_gbps(rows: np.ndarray, runs: int) -> float:
-    out = np.empty_like(rows)
-    times = []
-    for _ in range(runs + 1):
-        t0 = time.perf_counter()
-        np.copyto(out, rows)
-        times.append(time.perf_counter() - t0)
-    return rows.nbytes / statistics.median(times[1:]) / 1e9
 
 
 def measure(tokens: int, runs: int) -> list[Row]:
@@ -219,7 +210,7 @@ def measure(tokens: int, runs: int) -> list[Row]:
     finally:
         client.stop()
         ray.shutdown()
-    memcpy = _memcpy_gbps(rows, runs)
+    memcpy = rows.nbytes / memcpy_seconds(rows.nbytes, runs) / 1e9
     gb = dict(baseline="memcpy_one_thread", baseline_value=memcpy)
     out = [
         Row(

@@ -88,7 +88,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "disk": ("tessera_ray/storage", "tessera_ray/core", "tessera_ray/layout"),
     "directory": _TIER,
     "transport": _TIER,
-    "connector": (*_TIER, "tessera_ray/vllm"),
+    "connector": (*_TIER, "tessera_ray/vllm", "benchmarks/_engine_rows.py"),
     "peers": (*_TIER, "benchmarks/_peers.py", "benchmarks/_peer_sides.py"),
     "fleet": (*_TIER, "tessera_ray/demo", "tessera_ray/models", "benchmarks/_prefill.py"),
     "trace": (

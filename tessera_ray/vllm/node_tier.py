@@ -234,17 +234,12 @@ class NodeTier(PoolTier):
         if slab is None:
             return await self._read_answers(access, keys)
         info, rows = slab
-        if len(keys) <= len(rows):  # one call: the rows stay where the pool wrote them (lent)
-            async with self._read_slab.lock():
-                try:
-                    found = await self._call("read_into", access, keys, info)
-                except PeerMappingError as exc:
-                    self._read_slab.refused(self.pool, exc)
-                    return await self._read_answers(access, keys)
-            held = sum(h is not None for h in found)
-            return BlockReads.of(found, rows[:held], carrier="slab", lent=True)
+        # A read that fits the slab is one call, its rows left where the pool wrote them (lent);
+        # a larger one goes in runs, each copied out before the next is written there.
+        payloads = None
+        if len(keys) > len(rows):
+            payloads = np.empty((len(keys), self.layout.block_bytes), dtype=np.uint8)
         hashes: list[BlockHash | None] = []
-        payloads = np.empty((len(keys), self.layout.block_bytes), dtype=np.uint8)
         held = 0
         async with self._read_slab.lock():  # one read at a time is written into the slab
             for start in range(0, len(keys), len(rows)):
@@ -254,14 +249,18 @@ class NodeTier(PoolTier):
                 except PeerMappingError as exc:
                     self._read_slab.refused(self.pool, exc)
                     rest = await self._read_answers(access, keys[start:])
+                    if payloads is None:
+                        return rest
                     found, rows = rest.block_hashes, rest.payloads
                 count = sum(h is not None for h in found)
-                # Copied out: the slab is the next run's.
+                if payloads is None:
+                    return BlockReads.of(found, rows[:count], carrier="slab", lent=True)
                 payloads[held : held + count] = rows[:count]
                 hashes.extend(found)
                 held += count
                 if len(hashes) == len(keys):
                     break
+        assert payloads is not None
         return BlockReads.of(hashes, payloads[:held], carrier="slab")
 
     async def _read_answers(self, access: Access, keys: list[TokenKey]) -> BlockReads:
