@@ -302,6 +302,8 @@ class WorkerMover:
             missed = [layer for layer in self._layers.values() if layer.index not in self._copied]
             outcome = self._loaded()
             pinned = self.tier.end_reads()  # every layer's copy out of pinned pages is done
+            # A layer asked for after this copies nothing: the pinned pages may be reused now.
+            self._copied.update(layer.index for layer in self._layers.values())
             if outcome is not None and outcome.runs and (missed or not pinned):
                 if missed:
                     log.error(

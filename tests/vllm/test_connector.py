@@ -588,3 +588,35 @@ def test_a_pinned_read_ends_its_pin_after_every_copy_and_a_lapsed_pin_fails_the_
     second.step()  # vLLM recomputes the prefix
     for got, want in zip(second.rows("B", 0, 192), first.rows("A", 0, 192), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_layer_asked_for_after_its_step_ended_copies_nothing(
+    model_dir: Path, extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer whose attention ran without asking for its load fails the step's loads; asked
+    for after the step ended, it copies nothing (its pins have ended: the pool may have reused
+    the pages)."""
+    from tessera_ray.vllm.worker import WorkerMover
+
+    stored = prompt(200)
+    _store(model_dir, extra, stored)
+    wait_layer = WorkerMover.wait_layer
+    skipped: list[str] = []
+
+    def skip_first(mover: WorkerMover, plan: Any, name: str) -> None:
+        if not skipped:  # the first layer's attention runs without asking
+            skipped.append(name)
+            return
+        wait_layer(mover, plan, name)
+
+    monkeypatch.setattr(WorkerMover, "wait_layer", skip_first)
+    second = Engine(vllm_config(model_dir, extra))
+    second.scheduler.add_request(second.request("B", stored[:192] + prompt(40, 1)))
+
+    result = second.step()
+
+    assert result.load_errors, "a layer that never waited for its load was trusted"
+    cache = second.caches[skipped[0]]
+    before = cache.clone()
+    wait_layer(second.worker.mover, result.output.kv_connector_metadata.plan, skipped[0])
+    assert torch.equal(cache, before)
