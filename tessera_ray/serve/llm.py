@@ -30,7 +30,14 @@ if TYPE_CHECKING:
     from ray.serve import Application
     from ray.serve.llm import LLMConfig
 
-__all__ = ["ROUTERS", "ServeLLMSettings", "build_app", "llm_config", "openai_app"]
+__all__ = [
+    "RESERVED_CPUS_ENV",
+    "ROUTERS",
+    "ServeLLMSettings",
+    "build_app",
+    "llm_config",
+    "openai_app",
+]
 
 ROUTERS = {
     "tessera": "tessera_ray.serve.router:TesseraRequestRouter",
@@ -42,6 +49,8 @@ ROUTERS = {
 """The request routers an app can run: the tier-aware one, and Ray's two for comparison."""
 
 _DEVICES = ("gpu", "cpu")
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+"""vLLM's CPU build: how many cores its engine keeps off the workers' bound compute."""
 # Set here, from the settings: a caller's copy could disagree with the router's.
 _OWNED_ENGINE_KWARGS = ("kv_transfer_config", "model", "served_model_name")
 
@@ -171,6 +180,25 @@ class ServeLLMSettings:
             }
         return config
 
+    def replica_env(self) -> dict[str, str]:
+        """The replicas' environment: :attr:`env_vars`, and on vLLM's CPU build with the
+        connector, the cores vLLM holds back from the engine's compute as many as without
+        it (``VLLM_CPU_NUM_OF_RESERVED_CPU``, unless set here). vLLM's CPU build holds back
+        one more core whenever any KV connector is configured (for NIXL's own connector);
+        where there is no core to spare (two cores, say) it holds back none, and the
+        engine's compute then spreads over every core, the engine core's too. The tier's
+        connector needs no core of its own (its threads sleep when idle and run on the cores
+        held back, :mod:`tessera_ray.vllm.cores`), so the tier leaves the engine's layout as
+        it was: the same compute threads with the tier as without, and the same bits
+        (docs/engine-parity.md)."""
+        env = dict(self.env_vars)
+        if self.connector and self.device == "cpu":
+            workers = int(self.engine_kwargs.get("tensor_parallel_size", 1)) * int(
+                self.engine_kwargs.get("pipeline_parallel_size", 1)
+            )
+            env.setdefault(RESERVED_CPUS_ENV, str(workers))
+        return env
+
     def llm_config_dict(self) -> dict[str, Any]:
         """The ``LLMConfig`` fields (plain data: tests read it without Ray's LLM library)."""
         engine_kwargs: dict[str, Any] = {
@@ -201,8 +229,9 @@ class ServeLLMSettings:
             config["accelerator_config"] = {"kind": "cpu"}
         elif self.accelerator_type:
             config["accelerator_type"] = self.accelerator_type
-        if self.env_vars:
-            config["runtime_env"] = {"env_vars": dict(self.env_vars)}
+        env_vars = self.replica_env()
+        if env_vars:
+            config["runtime_env"] = {"env_vars": env_vars}
         if self.bundle_per_worker:
             config["placement_group_config"] = {
                 "bundle_per_worker": dict(self.bundle_per_worker),

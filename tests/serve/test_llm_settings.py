@@ -13,7 +13,7 @@ import ray
 import yaml
 
 from tessera_ray.errors import TierConfigError
-from tessera_ray.serve.llm import ROUTERS, ServeLLMSettings
+from tessera_ray.serve.llm import RESERVED_CPUS_ENV, ROUTERS, ServeLLMSettings
 from tessera_ray.serve.router import TesseraRequestRouter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,9 +64,33 @@ def test_without_the_connector_the_engines_and_the_router_are_otherwise_the_same
     assert off["engine_kwargs"] == {
         k: v for k, v in on["engine_kwargs"].items() if k != "kv_transfer_config"
     }
+    # On vLLM's CPU build the tier keeps the cores vLLM holds back from the engine's compute
+    # as many as without a connector (vLLM holds one more back for any connector).
+    on_env = on["runtime_env"]["env_vars"]
+    assert on_env.pop(RESERVED_CPUS_ENV) == "1" and RESERVED_CPUS_ENV not in off["runtime_env"]
     assert {k: v for k, v in off.items() if k != "engine_kwargs"} == {
         k: v for k, v in on.items() if k != "engine_kwargs"
     }
+
+
+def test_the_tier_leaves_vllm_cpu_builds_core_layout_as_without_it() -> None:
+    """vLLM's CPU build holds back one core per worker from the bound compute, one more for
+    any connector: the tier's replicas hold back as many as without it, one per worker of
+    the engine, unless the deployment says otherwise; GPU replicas are left alone."""
+
+    def env(**kw: Any) -> dict[str, str]:
+        settings = ServeLLMSettings(model_source="m", device="cpu", **kw)
+        return settings.llm_config_dict().get("runtime_env", {}).get("env_vars", {})
+
+    assert env() == {RESERVED_CPUS_ENV: "1"}
+    assert env(connector=False) == {}
+    parallel = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    assert env(engine_kwargs=parallel)[RESERVED_CPUS_ENV] == "4"
+    assert env(env_vars={RESERVED_CPUS_ENV: "3", "UCX_MODULES": "^ib"}) == {
+        RESERVED_CPUS_ENV: "3",
+        "UCX_MODULES": "^ib",
+    }
+    assert "runtime_env" not in ServeLLMSettings(model_source="m").llm_config_dict()
 
 
 def test_every_router_named_is_a_class_serve_can_load() -> None:
