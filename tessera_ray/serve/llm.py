@@ -182,14 +182,13 @@ class ServeLLMSettings:
 
     def replica_env(self) -> dict[str, str]:
         """The replicas' environment: :attr:`env_vars`, and on vLLM's CPU build with the
-        connector, the cores vLLM holds back from the engine's compute as many as without
-        it (``VLLM_CPU_NUM_OF_RESERVED_CPU``, unless set here). vLLM's CPU build holds back
-        one more core whenever any KV connector is configured (for NIXL's own connector);
-        where there is no core to spare (two cores, say) it holds back none, and the
-        engine's compute then spreads over every core, the engine core's too. The tier's
-        connector needs no core of its own (its threads sleep when idle and run on the cores
-        held back, :mod:`tessera_ray.vllm.cores`), so the tier leaves the engine's layout as
-        it was: the same compute threads with the tier as without, and the same bits
+        connector, the cores vLLM holds back from the engine's bound compute as many as
+        without it (``VLLM_CPU_NUM_OF_RESERVED_CPU``, unless set here). vLLM's CPU build
+        holds back one more core whenever any KV connector is configured (for NIXL's own
+        connector); where there is no core to spare (two cores, say) it then holds back none
+        and the engine's compute spreads over every core, the engine core's too. The tier's
+        connector needs no core of its own, so the tier leaves the engine's layout as it
+        was: the same compute threads with the tier as without, and the same bits
         (docs/engine-parity.md)."""
         env = dict(self.env_vars)
         if self.connector and self.device == "cpu":

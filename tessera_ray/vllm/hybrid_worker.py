@@ -31,7 +31,6 @@ from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import CacheSpec, ModelLayout
 from tessera_ray.vllm.backend import TierBackend
-from tessera_ray.vllm.cores import leave_engine_cores
 from tessera_ray.vllm.hybrid import EngineGroup
 from tessera_ray.vllm.loads import staged, verified_block
 from tessera_ray.vllm.planes import LayerPlanes
@@ -203,9 +202,7 @@ class HybridMover:
                 )
         self.chunks = resume_chunks(layout)
         self._streams: list[CacheStream] = []
-        self._reader = ThreadPoolExecutor(
-            1, thread_name_prefix="tessera-connector-read", initializer=leave_engine_cores
-        )
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-read")
         self._stores = StoreQueue(tier, self.counters, max_pending=max_pending_saves)
         self._loads: dict[str, Future[bool]] = {}
         self._started: StepPlan | None = None

@@ -18,7 +18,6 @@ import torch
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import TierUnavailableError
 from tessera_ray.vllm.backend import TierBackend
-from tessera_ray.vllm.cores import leave_engine_cores
 from tessera_ray.vllm.stats import ConnectorCounters
 
 __all__ = ["StoreQueue", "StoreBatch"]
@@ -37,9 +36,7 @@ class StoreQueue:
     ) -> None:
         self.tier = tier
         self.counters = counters
-        self._writer = ThreadPoolExecutor(
-            1, thread_name_prefix="tessera-connector-save", initializer=leave_engine_cores
-        )
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-save")
         self._slots = threading.BoundedSemaphore(max_pending)
         self._lock = threading.Lock()
         self._done: list[int] = []

@@ -46,7 +46,6 @@ from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import MAPPED
 from tessera_ray.vllm.backend import TierBackend
-from tessera_ray.vllm.cores import leave_engine_cores
 from tessera_ray.vllm.loads import LoadOutcome, LoadRun, land_run, staged, verified_block
 from tessera_ray.vllm.planes import LayerPlanes, mla_planes
 from tessera_ray.vllm.records import BlockLoad, StepPlan
@@ -94,9 +93,7 @@ class WorkerMover:
         # Reads run on their own thread, so start_load_kv returns at once and the first layers'
         # work before attention overlaps the tier round trip; stores on another, off the
         # forward path, at most max_pending_saves steps behind.
-        self._reader = ThreadPoolExecutor(
-            1, thread_name_prefix="tessera-connector-read", initializer=leave_engine_cores
-        )
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-read")
         self._stores = StoreQueue(tier, self.counters, max_pending=max_pending_saves)
         self._closed = False
         self._pending: Future[LoadOutcome] | None = None
