@@ -63,6 +63,7 @@ from tessera_ray.serve.routing import (
 )
 from tessera_ray.vllm.backend import TIER_FAILURES
 from tessera_ray.vllm.keys import prompt_keys, tenant_namespace
+from tessera_ray.vllm.router_word import tell_miss
 
 __all__ = ["TesseraRequestRouter", "request_prompt"]
 
@@ -253,6 +254,9 @@ class TesseraRequestRouter(RequestRouter):
         if client is not None and found is not None:
             namespace, keys, tokens = found
             held = await self._held_by_pool(client, namespace, keys)
+            if held is not None and keys and not any(held[0].values()) and pending_request:
+                # Nothing of it anywhere, nor sent anywhere lately: the engine need not look.
+                tell_miss(pending_request.args[0], keys[0])
         by_tokens = self._by_tokens and tokens is not None
         states = [
             ReplicaState(

@@ -85,6 +85,11 @@ class TrackedRequest:
     resume: dict[TokenKey, list[TokenKey]] = field(default_factory=dict)
     """A hybrid model: the record chunk keys derived so far, by boundary key (a lookup asks
     again every step it waits)."""
+    router_word_until: float | None = None
+    """Until when the router's word that the tier held none of its blocks stands (``None``:
+    not read yet; ``-inf``: no such word)."""
+    router_word_taken: bool = False
+    """A lookup was not made on the router's word."""
     known_blocks: int = 0
     """Leading tier blocks the tier holds or that were already handed to a worker to save."""
     lookup: PendingLookup | None = None

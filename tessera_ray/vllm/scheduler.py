@@ -65,6 +65,7 @@ from tessera_ray.vllm.request_state import (
     TierLookup,
     TrackedRequest,
 )
+from tessera_ray.vllm.router_word import ROUTER_WORD_S, ROUTER_WORD_TAKEN_PARAM, router_missed
 from tessera_ray.vllm.stats import ConnectorCounters
 
 __all__ = [
@@ -93,10 +94,14 @@ class TierSupply(NamedTuple):
     tokens: int
     sources: dict[str, int]
     """``tokens`` by :data:`~tessera_ray.vllm.backend.SOURCES` entry."""
+    router_word: bool = False
+    """The engine took the router's word that the tier held none of the prompt's blocks, and
+    did not look them up itself."""
 
     def params(self) -> dict[str, Any]:
         """The request's ``kv_transfer_params``."""
-        return {TIER_TOKENS_PARAM: self.tokens, TIER_SOURCES_PARAM: dict(self.sources)}
+        params = {TIER_TOKENS_PARAM: self.tokens, TIER_SOURCES_PARAM: dict(self.sources)}
+        return {**params, ROUTER_WORD_TAKEN_PARAM: True} if self.router_word else params
 
 
 _RELOOK_S = 0.01  # between lookups of a request waiting on this engine's own stores
@@ -248,6 +253,10 @@ class SchedulerPlanner:
             tracked.lookup = None
             return 0
         keys = self._lookup_keys(tracked, first, limit)
+        if first == 0 and self._router_missed(tracked, keys[0]):
+            self.counters.add(router_misses=1)
+            tracked.router_word_taken = True
+            return 0
         pending = tracked.lookup
         if pending is None and self._clock() < tracked.relook_s:
             self.counters.add(store_waits=1)
@@ -288,6 +297,19 @@ class SchedulerPlanner:
             return 0
         tracked.match = match
         return (first + len(match.keys)) * bs - num_computed_tokens
+
+    def _router_missed(self, tracked: TrackedRequest, first_key: TokenKey) -> bool:
+        """Whether the tier-aware router's lookup found no copy of the request's first tier
+        block, said moments ago (:mod:`~tessera_ray.vllm.router_word`), and this engine is not
+        storing that block itself: then there is nothing to look up."""
+        now = self._clock()
+        if tracked.router_word_until is None:
+            said = router_missed(getattr(tracked.request, "kv_transfer_params", None), first_key)
+            tracked.router_word_until = now + ROUTER_WORD_S if said else -math.inf
+        if now >= tracked.router_word_until:
+            return False
+        self._forget_expired()
+        return first_key not in self._storing and first_key not in self._landed
 
     def _lookup_keys(self, tracked: TrackedRequest, first: int, limit: int) -> list[TokenKey]:
         """What one lookup asks for: the keys of tier blocks ``first .. limit``."""
@@ -497,4 +519,4 @@ class SchedulerPlanner:
         for i, source in enumerate(tracked.sources):
             lo, hi = max(start, (first + i) * bs), min(stop, (first + i + 1) * bs)
             sources[source] += max(0, hi - lo)
-        return TierSupply(tracked.tier_tokens, sources)
+        return TierSupply(tracked.tier_tokens, sources, tracked.router_word_taken)

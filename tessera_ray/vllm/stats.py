@@ -36,6 +36,9 @@ class _Counts:
     loaded and saved rows)."""
     lookup_waits: int = 0
     """Scheduler answers of "ask again next step" while a tier lookup was on its way."""
+    router_misses: int = 0
+    """Lookups not made: the tier-aware router's own lookup had found none of the request's
+    blocks (:mod:`~tessera_ray.vllm.router_word`)."""
     store_waits: int = 0
     """Scheduler answers of "ask again next step" while blocks this engine stores were on
     their way."""
@@ -160,6 +163,7 @@ def reduce_counts(data: Mapping[str, float]) -> dict[str, int | float]:
         ),
         "lookup_waits": int(data.get("lookup_waits", 0)),
         "store_waits": int(data.get("store_waits", 0)),
+        "router_misses": int(data.get("router_misses", 0)),
         "loaded_blocks": int(data.get("loaded_blocks", 0)),
         "mapped_blocks": int(data.get("mapped_blocks", 0)),
         "failed_blocks": int(data.get("failed_blocks", 0)),

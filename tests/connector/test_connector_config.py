@@ -224,7 +224,7 @@ def test_planner_reports_the_prompt_tokens_the_tier_supplied() -> None:
     writer.matched_tokens(_Request("a", tokens), 0)
     plan = writer.build([NewScheduled("a", ids, 0, 330)], [])
     _store_saves(tier, plan)
-    assert writer.finished("a") == (0, {"local": 0, "remote": 0, "disk": 0})
+    assert writer.finished("a") == (0, {"local": 0, "remote": 0, "disk": 0}, False)
     here, there = Holder("pool-here", Tier.MEMORY), Holder("pool-there", Tier.MEMORY)
     on_disk = Holder("pool-here", Tier.DISK)
     keys = plan.saves[0].token_keys
@@ -241,13 +241,13 @@ def test_planner_reports_the_prompt_tokens_the_tier_supplied() -> None:
         reader.after_alloc(request, ids, 320)
         reader.build([NewScheduled(name, ids, 320, 10)], [])
     supplied = reader.finished("b")
-    assert supplied == (320, {"local": 128, "remote": 64, "disk": 128})
+    assert supplied == (320, {"local": 128, "remote": 64, "disk": 128}, False)
     assert supplied.params() == {
         TIER_TOKENS_PARAM: 320,
         TIER_SOURCES_PARAM: {"local": 128, "remote": 64, "disk": 128},
     }
     reader.load_failed({ids[10]})  # engine block 10: positions 160 to 175
-    assert reader.finished("c") == (160, {"local": 128, "remote": 32, "disk": 0})
+    assert reader.finished("c") == (160, {"local": 128, "remote": 32, "disk": 0}, False)
     assert reader.finished("never-seen").tokens == 0
 
 

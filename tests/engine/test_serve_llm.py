@@ -24,6 +24,7 @@ import yaml
 
 from tessera_ray.models.hf_tiny import TOKENIZER_WORDS, write_tiny_gqa
 from tessera_ray.vllm.connector import TIER_TOKENS_PARAM
+from tessera_ray.vllm.router_word import ROUTER_WORD_TAKEN_PARAM
 from tests.engine._harness import ROOT
 from tests.engine.conftest import run
 
@@ -45,6 +46,8 @@ class Answer:
     logprobs: list[float]
     cached: int
     tier: int
+    router_word: bool = False
+    """The engine took the router's word that the tier held none of the prompt's blocks."""
 
 
 def _text(seed: int, words: int) -> str:
@@ -76,6 +79,7 @@ def _complete(
         logprobs=list(choice.logprobs.token_logprobs),
         cached=(details.cached_tokens or 0) if details is not None else 0,
         tier=int(params.get(TIER_TOKENS_PARAM, 0)),
+        router_word=params.get(ROUTER_WORD_TAKEN_PARAM) is True,
     )
 
 
@@ -144,15 +148,18 @@ def test_a_prefix_computed_by_one_replica_reaches_the_other_through_the_tier(
     """Each round: a new tenant (``cache_salt``) asks a prompt twice. The second answer comes
     from the replica that computed it (all from vLLM's own prefix cache, no tier tokens) or from
     the other one (every cached token from the tier). Both kinds must give the same greedy
-    tokens and logprobs."""
+    tokens and logprobs. The first answer of each is a miss the router told the engine of."""
     prompt = _prompt(1)
     own: Answer | None = None
     tier: Answer | None = None
     for i in range(12):
         cold = _complete(client, prompt, f"tenant-{i}")
-        assert cold.cached == 0 and cold.tier == 0, cold
+        # A new tenant's prompt: the router found it nowhere and said so; the engine did not
+        # look it up again (the word crossed Serve to the replica and vLLM to the connector).
+        assert cold.cached == 0 and cold.tier == 0 and cold.router_word, cold
         again = _complete(client, prompt, f"tenant-{i}")
         assert again.cached == 1024 and again.tier in (0, 1024), again
+        assert not again.router_word, again
         if again.tier:
             tier = tier or again
         else:

@@ -22,6 +22,7 @@ from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.serve.router import TesseraRequestRouter, request_prompt
 from tessera_ray.serve.routing import RouteChoice, RouteReason
 from tessera_ray.vllm.keys import prompt_keys
+from tessera_ray.vllm.router_word import ROUTER_MISS_PARAM
 from tessera_ray.vllm.scheduler import SchedulerPlanner
 from tests.conftest import SimCluster
 
@@ -398,3 +399,27 @@ def test_without_a_tier_the_router_routes_and_tries_again_later(
         assert router.last_choice is not None
         assert router.last_choice.reason is RouteReason.FALLBACK
     assert attempts == ["not-started"]  # one attempt per retry interval, not per request
+
+
+def test_a_prompt_found_nowhere_carries_the_routers_word_to_the_engine() -> None:
+    """The router's lookup found none of the prompt's blocks, nor sent them anywhere lately:
+    the request's ``kv_transfer_params`` say so, naming the first block's key, so that the
+    engine need not look again. A prompt held somewhere, or routed a moment ago, says nothing."""
+    tier, tokens = _FakeTier(), list(range(300))
+    replicas = [_Replica("r0", NODES[0]), _Replica("r1", NODES[1])]
+    router = _router(tier, routed_memory_s=30.0)
+    body: dict[str, Any] = {"prompt": tokens, "kv_transfer_params": {"mine": 1}}
+    _route(router, replicas, body)
+    assert body["kv_transfer_params"] == {"mine": 1, ROUTER_MISS_PARAM: _keys(tokens)[0].hex()}
+    again: dict[str, Any] = {"prompt": tokens}  # routed a moment ago: it may be on its way
+    _route(router, replicas, again)
+    assert "kv_transfer_params" not in again
+    other = list(range(1000, 1300))
+    tier.held[_keys(other)[0]] = [tier.pools[0]]
+    held: dict[str, Any] = {"prompt": other}
+    _route(router, replicas, held)
+    assert "kv_transfer_params" not in held
+    tier.down = True  # no answer: no word
+    silent: dict[str, Any] = {"prompt": list(range(2000, 2300))}
+    _route(router, replicas, silent)
+    assert "kv_transfer_params" not in silent
