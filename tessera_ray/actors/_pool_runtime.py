@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 Found = tuple[BlockHash, tuple[Holder, ...]]
 """A ``find`` answer per block: the hash it was sealed under and where it is held."""
+Pinned = tuple[list[Found | None], PinTicket | None]
+"""A ``find`` answer with the run held here pinned (``find_pinned``)."""
 
 FetchFrom = Callable[[str, Access, list[TokenKey]], Awaitable[Sequence[BlockFailure | None]]]
 """Pull blocks from an owner into this pool (the actor's fetcher)."""
@@ -115,6 +117,7 @@ class EngineSide:
         """Blocks an early pull (:meth:`_pull_soon`) is bringing here, by key."""
         self.handlers: dict[str, Callable[..., Any]] = {
             "find": self.find,
+            "find_pinned": self.find_pinned,
             "pull": self.pull,
             "store": self.store,
             "store_mapped": self.store_mapped,
@@ -130,14 +133,44 @@ class EngineSide:
     ) -> list[Found | None] | Awaitable[list[Found | None]]:
         """Per key, its hash and holders, or ``None``: the run this pool holds in memory is
         answered at once (in the channel's callback); only the rest is asked of the directory."""
+        found = self._resident_run(access, keys)
+        if len(found) == len(keys):
+            return found
+        return self._ask_directory(access, keys, found)
+
+    def find_pinned(self, access: Access, keys: list[TokenKey]) -> Pinned | Awaitable[Pinned]:
+        """:meth:`find`, with the run this pool holds in memory pinned for the engine's worker
+        (``None``: nothing held here): the worker reads it in place without asking the pool
+        again, so its read starts the moment its step does. Unpinned by whoever ends up not
+        reading it (or by the pin's lease)."""
+        found = self._resident_run(access, keys)
+        ticket = self.svc.pin_resident(access, keys[: len(found)]) if found else None
+        if len(found) == len(keys):
+            return found, ticket
+        return self._rest_pinned(access, keys, found, ticket)
+
+    async def _rest_pinned(
+        self,
+        access: Access,
+        keys: list[TokenKey],
+        found: list[Found | None],
+        ticket: PinTicket | None,
+    ) -> Pinned:
+        try:
+            return await self._ask_directory(access, keys, found), ticket
+        except BaseException:
+            if ticket is not None:
+                self.svc.unpin(ticket.id)
+            raise
+
+    def _resident_run(self, access: Access, keys: list[TokenKey]) -> list[Found | None]:
+        """The leading keys this pool holds in memory, with their hashes."""
         found: list[Found | None] = []
         for h in self.svc.resident_hashes(access, keys):
             if h is None:
                 break
             found.append((h, self._here))
-        if len(found) == len(keys):
-            return found
-        return self._ask_directory(access, keys, found)
+        return found
 
     async def _ask_directory(
         self, access: Access, keys: list[TokenKey], found: list[Found | None]

@@ -349,6 +349,9 @@ class TesseraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,un
                 self.tier,
                 self.tier.layout,
                 block_tokens=engine_tokens,
+                # One worker reads a pin it ends when done: with several (tensor or pipeline
+                # parallel ranks) the first to finish would end the others' pin.
+                pin_on_lookup=vllm_config.parallel_config.world_size == 1,
                 **self._planner_args(transfer, model_name),
             )
         else:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tessera_ray.actors.directory import Holder, LookupResult, Tier
-from tessera_ray.actors.messages import BlockCheck, BlockReads
+from tessera_ray.actors.messages import BlockCheck, BlockReads, PinTicket
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import (
     LeaseError,
@@ -29,6 +29,7 @@ from tessera_ray.errors import (
 from tessera_ray.layout import ModelLayout
 
 __all__ = [
+    "PinnedHits",
     "TierBackend",
     "TierHit",
     "TierUnavailableError",
@@ -90,6 +91,10 @@ def hit_source(hit: TierHit, local_pool: str | None) -> str:
     return "disk"
 
 
+PinnedHits = tuple[list[TierHit | None], PinTicket | None]
+"""A lookup's hits with the run this engine's pool holds pinned (``None``: nothing pinned)."""
+
+
 class TierBackend(abc.ABC):
     """What the connector needs of the tier; every method is one batched call.
 
@@ -110,6 +115,19 @@ class TierBackend(abc.ABC):
         """Start one batched lookup: per key, what the tier holds under it and where, or
         ``None`` (a miss). Returns at once; the scheduler waits on the future briefly."""
 
+    def lookup_pinned_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[PinnedHits] | None:
+        """:meth:`lookup_async`, with the leading run this engine's own pool holds in memory
+        pinned for the worker's read (which then starts without asking the pool): the ticket
+        travels in the step's plan to :meth:`read`, and whoever does not read it ends it with
+        :meth:`unpin`. ``None``: this backend does not pin on lookup."""
+        return None
+
+    def unpin(self, ticket: PinTicket) -> None:  # noqa: B027 - nothing pinned by default
+        """End a pin :meth:`lookup_pinned_async` made that no read will use (without waiting:
+        a lost unpin ends with the pin's lease)."""
+
     def lookup(self, namespace: str, keys: Sequence[TokenKey]) -> list[TierHit | None]:
         """:meth:`lookup_async`, waited for."""
         with tier_call("tier lookup"):
@@ -127,12 +145,14 @@ class TierBackend(abc.ABC):
         namespace: str,
         keys: Sequence[TokenKey],
         hits: Sequence[TierHit] | None = None,
+        ticket: PinTicket | None = None,
     ) -> BlockReads:
         """Per key, the block's payload (uint8 ``[block_bytes]``) with the hash the pool
         sealed it under, or nothing when the tier no longer holds it (evicted since the
         lookup, owner gone). ``hits``: what the scheduler's lookup found for ``keys`` (the
-        holders to pull from); ``None`` reads what the reader's own pool holds. Not verified
-        here."""
+        holders to pull from); ``None`` reads what the reader's own pool holds. ``ticket``:
+        the pin :meth:`lookup_pinned_async` made of exactly ``keys`` (the read takes it over,
+        used or not). Not verified here."""
 
     def end_reads(self) -> bool:
         """The caller copied what every read since the last call returned ``pinned``

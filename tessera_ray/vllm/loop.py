@@ -13,6 +13,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from tessera_ray.vllm.cpus import off_compute_cores
+
 __all__ = ["submit_on_loop", "run_on_loop"]
 
 _T = TypeVar("_T")
@@ -30,11 +32,16 @@ class _LoopThread:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(
-                    target=loop.run_forever, name="tessera-connector-loop", daemon=True
+                    target=_run_forever, args=(loop,), name="tessera-connector-loop", daemon=True
                 )
                 thread.start()
                 self._loop = loop
             return self._loop
+
+
+def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
+    off_compute_cores()
+    loop.run_forever()
 
 
 _LOOP = _LoopThread()

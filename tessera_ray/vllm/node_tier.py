@@ -45,7 +45,7 @@ from tessera_ray.errors import (
 )
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import PeerInfo
-from tessera_ray.vllm.backend import TierHit, tier_call
+from tessera_ray.vllm.backend import PinnedHits, TierHit, tier_call
 from tessera_ray.vllm.config import TesseraConnectorConfig
 from tessera_ray.vllm.loop import run_on_loop, submit_on_loop
 from tessera_ray.vllm.pool_tier import PoolTier
@@ -203,6 +203,10 @@ class NodeTier(PoolTier):
     async def _find(self, access: Access, keys: list[TokenKey]) -> list[TierHit | None]:
         found = await self._call("find", access, keys)
         return [None if f is None else TierHit(*f) for f in found]
+
+    async def _find_pinned(self, access: Access, keys: list[TokenKey]) -> PinnedHits:
+        found, ticket = await self._call("find_pinned", access, keys)
+        return [None if f is None else TierHit(*f) for f in found], ticket
 
     async def _pull(self, access: Access, keys: list[TokenKey], hits: Sequence[TierHit]) -> None:
         await self._call("pull", access, keys, [h.holders for h in hits])

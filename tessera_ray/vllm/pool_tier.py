@@ -30,7 +30,7 @@ from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import PoolUnavailableError, TierConfigError, TransportError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import PeerInfo
-from tessera_ray.vllm.backend import TierBackend, TierHit, tier_call
+from tessera_ray.vllm.backend import PinnedHits, TierBackend, TierHit, tier_call
 from tessera_ray.vllm.config import TesseraConnectorConfig
 from tessera_ray.vllm.loop import run_on_loop, submit_on_loop
 from tessera_ray.vllm.nixl_reader import PoolReader
@@ -69,12 +69,19 @@ class PoolTier(TierBackend):
         self._held: list[PinTicket] = []
         """Pins of reads served in place, until :meth:`end_reads` (the worker's step ends)."""
         self._held_lock = threading.Lock()  # read on the worker's read thread, ended on its own
+        self.lookup_pins = 0
+        """Reads that used the scheduler's lookup's pin instead of asking the pool for one."""
 
     # ---------------------------------------------------------------- how the pool is reached
 
     @abc.abstractmethod
     async def _find(self, access: Access, keys: list[TokenKey]) -> list[TierHit | None]:
         """Per key, its hash and holders (this pool first, the directory for the rest)."""
+
+    async def _find_pinned(self, access: Access, keys: list[TokenKey]) -> PinnedHits:
+        """:meth:`_find`, with the leading run this pool holds pinned; a road that cannot pin
+        on a lookup pins nothing (the worker's read pins then)."""
+        return await self._find(access, keys), None
 
     @abc.abstractmethod
     async def _pull(self, access: Access, keys: list[TokenKey], hits: Sequence[TierHit]) -> None:
@@ -169,6 +176,18 @@ class PoolTier(TierBackend):
     ) -> concurrent.futures.Future[list[TierHit | None]]:
         return submit_on_loop(self._lookup(namespace, list(keys)))
 
+    async def _lookup_pinned(self, namespace: str, keys: list[TokenKey]) -> PinnedHits:
+        with tier_call("tier lookup"):
+            return await self._find_pinned(self._access(namespace), keys)
+
+    def lookup_pinned_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[PinnedHits] | None:
+        return submit_on_loop(self._lookup_pinned(namespace, list(keys)))
+
+    def unpin(self, ticket: PinTicket) -> None:
+        self._unpin(ticket.id)
+
     async def _pulled(
         self, access: Access, keys: list[TokenKey], hits: Sequence[TierHit] | None
     ) -> None:
@@ -189,13 +208,23 @@ class PoolTier(TierBackend):
         return await self._pin(access, keys)
 
     def read(
-        self, namespace: str, keys: Sequence[TokenKey], hits: Sequence[TierHit] | None = None
+        self,
+        namespace: str,
+        keys: Sequence[TokenKey],
+        hits: Sequence[TierHit] | None = None,
+        ticket: PinTicket | None = None,
     ) -> BlockReads:
         access, keys = self._access(namespace), list(keys)
         reader = self._reader
+        if ticket is not None and (reader is None or len(ticket.blocks) != len(keys)):
+            self._unpin(ticket.id)  # nothing here reads pinned pages in place: read as usual
+            ticket = None
         if reader is None:
             return self._run("tier read", self._pull_and_read(access, keys, hits))
-        ticket = self._run("tier pin", self._pull_and_pin(access, keys, hits))
+        if ticket is None:
+            ticket = self._run("tier pin", self._pull_and_pin(access, keys, hits))
+        else:
+            self.lookup_pins += 1
         kept = False
         try:
             self._saw(ticket.incarnation)

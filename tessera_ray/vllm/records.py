@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tessera_ray.actors.messages import PinTicket
 from tessera_ray.core.results import TokenKey
 from tessera_ray.vllm.backend import TierHit
 
@@ -87,6 +88,9 @@ class BlockLoad:
     """A hybrid model: the chunks of the resume record at ``rows.stop`` (the windows and
     compressor states the engine keeps there), read and verified with the tier blocks."""
     resume_hits: tuple[TierHit, ...] = ()
+    ticket: PinTicket | None = None
+    """The scheduler's lookup pinned exactly these blocks in this node's pool: the worker
+    reads them in place without asking the pool first (and ends the pin, used or not)."""
 
 
 @dataclass(frozen=True, slots=True)

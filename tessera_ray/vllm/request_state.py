@@ -8,8 +8,9 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from tessera_ray.actors.messages import PinTicket
 from tessera_ray.core.results import TokenKey
 from tessera_ray.vllm.backend import TierHit
 from tessera_ray.vllm.records import BlockLoad, TokenRows
@@ -50,12 +51,14 @@ class TierLookup(Protocol):
 
 @dataclass(slots=True)
 class PendingLookup:
-    """A lookup in flight for the tier blocks ``first .. first + len(keys)`` of a request."""
+    """A lookup in flight for the tier blocks ``first .. first + len(keys)`` of a request
+    (``pinned``: its future gives the hits with a pin ticket, a ``PinnedHits``)."""
 
     first: int
     keys: list[TokenKey]
-    future: LookupFuture
+    future: concurrent.futures.Future[Any]
     started_s: float
+    pinned: bool = False
 
 
 @dataclass(slots=True)
@@ -69,6 +72,9 @@ class LookupMatch:
     resume_keys: list[TokenKey] = field(default_factory=list)
     """A hybrid model: the chunks of the resume record where the match ends, and their hits."""
     resume_hits: list[TierHit] = field(default_factory=list)
+    ticket: PinTicket | None = None
+    """The lookup's pin of the leading ``len(ticket.blocks)`` blocks in this node's pool, for
+    the worker's read (ended by whoever does not hand it on)."""
 
 
 @dataclass(slots=True)

@@ -33,17 +33,19 @@ a miss (so is a hybrid prefix whose blocks are in and whose record is still land
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from tessera_ray.actors.messages import PinTicket
 from tessera_ray.core import token_key
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
-from tessera_ray.vllm.backend import SOURCES, TierHit, hit_source
+from tessera_ray.vllm.backend import SOURCES, PinnedHits, TierBackend, TierHit, hit_source
 from tessera_ray.vllm.keys import (
     ExtraKeysFn,
     key_fingerprint,
@@ -136,6 +138,11 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _answer(pending: PendingLookup, answer: Any) -> PinnedHits:
+    """A lookup's answer as hits and the pin it made (``None``: a plain lookup's)."""
+    return answer if pending.pinned else (answer, None)
+
+
 def leading_hits(found: Sequence[TierHit | None]) -> list[TierHit]:
     """The hits before the first miss."""
     hits: list[TierHit] = []
@@ -166,10 +173,15 @@ class SchedulerPlanner:
         clock: Callable[[], float] = time.monotonic,
         counters: ConnectorCounters | None = None,
         local_pool: str | None = None,
+        pin_on_lookup: bool = False,
     ) -> None:
         check_block_sizes(layout.block_tokens, block_tokens)
         self.local_pool = local_pool
         self.tier = tier
+        # Lookups pin what this node's pool holds, for a worker that reads it in place: the
+        # worker's read then starts without a round trip to the pool (a backend that cannot
+        # pin answers None and the lookup is a plain one).
+        self._pins = tier if pin_on_lookup and isinstance(tier, TierBackend) else None
         self.layout = layout
         self.namespace = namespace
         self.tier_tokens = layout.block_tokens
@@ -247,7 +259,7 @@ class SchedulerPlanner:
         tracked.known_blocks = max(tracked.known_blocks, num_computed_tokens // bs)
         if not self.can_load:
             return 0
-        tracked.match = None
+        self._drop_match(tracked)
         first, limit = num_computed_tokens // bs, (request.num_tokens - 1) // bs
         if limit <= first:
             tracked.lookup = None
@@ -262,19 +274,19 @@ class SchedulerPlanner:
             self.counters.add(store_waits=1)
             return None
         if pending is None or pending.first != first or pending.keys != keys:
+            self._drop_lookup(pending)
             try:
-                future = self.tier.lookup_async(tracked.namespace, keys)
+                pending = tracked.lookup = self._start_lookup(tracked.namespace, first, keys)
             except TierUnavailableError as exc:  # a tier that is down is a miss
                 self._tier_failed(exc)
                 return 0
-            pending = tracked.lookup = PendingLookup(first, keys, future, self._clock())
         try:
-            found = pending.future.result(timeout=self.lookup_wait_s)
+            found, ticket = _answer(pending, pending.future.result(timeout=self.lookup_wait_s))
         except TimeoutError:
             if self._clock() - pending.started_s < self.lookup_timeout_s:
                 self.counters.add(lookup_waits=1)
                 return None
-            pending.future.cancel()
+            self._drop_lookup(pending)
             tracked.lookup = None
             self.counters.add(tier_failures=1)
             log.warning("tier lookup took over %.1f s, treating as a miss", self.lookup_timeout_s)
@@ -290,13 +302,44 @@ class SchedulerPlanner:
         if self._still_storing(prefix, held, since) or self._record_landing(
             keys, found, match, held, since
         ):
+            self._unpin(ticket)
             tracked.relook_s = self._clock() + _RELOOK_S
             self.counters.add(store_waits=1)
             return None
         if match is None:
+            self._unpin(ticket)
             return 0
+        match.ticket = ticket
         tracked.match = match
         return (first + len(match.keys)) * bs - num_computed_tokens
+
+    def _start_lookup(self, namespace: str, first: int, keys: list[TokenKey]) -> PendingLookup:
+        future = self._pins.lookup_pinned_async(namespace, keys) if self._pins else None
+        if future is not None:
+            return PendingLookup(first, keys, future, self._clock(), pinned=True)
+        return PendingLookup(first, keys, self.tier.lookup_async(namespace, keys), self._clock())
+
+    def _unpin(self, ticket: PinTicket | None) -> None:
+        if ticket is not None and self._pins is not None:
+            self._pins.unpin(ticket)
+
+    def _drop_lookup(self, pending: PendingLookup | None) -> None:
+        """Abandon a lookup: a pin it made, now or when it answers, is ended."""
+        if pending is None:
+            return
+        pending.future.cancel()
+        if pending.pinned:
+            pending.future.add_done_callback(self._unpin_answer)
+
+    def _unpin_answer(self, future: concurrent.futures.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._unpin(future.result()[1])
+
+    def _drop_match(self, tracked: TrackedRequest) -> None:
+        """Forget the request's match (and end its pin: no load will read it)."""
+        if tracked.match is not None:
+            self._unpin(tracked.match.ticket)
+            tracked.match = None
 
     def _router_missed(self, tracked: TrackedRequest, first_key: TokenKey) -> bool:
         """Whether the tier-aware router's lookup found no copy of the request's first tier
@@ -397,6 +440,8 @@ class SchedulerPlanner:
         tracked = self._track(request)
         match, tracked.match = tracked.match, None
         if num_external_tokens <= 0 or match is None:
+            if match is not None:
+                self._unpin(match.ticket)
             return
         bs = self.tier_tokens
         start = match.computed
@@ -410,6 +455,10 @@ class SchedulerPlanner:
                 f"{len(match.keys)} tier blocks matched"
             )
         rows = self._rows(tracked, start, stop)
+        ticket = match.ticket
+        if ticket is not None and len(ticket.blocks) != n:  # pinned other blocks than loaded
+            self._unpin(ticket)
+            ticket = None
         tracked.load = BlockLoad(
             request.request_id,
             tracked.namespace,
@@ -417,6 +466,7 @@ class SchedulerPlanner:
             tuple(match.hits[:n]),
             match.first * bs,
             rows,
+            ticket=ticket,
         )
         tracked.known_blocks = max(tracked.known_blocks, match.first + n)
         tracked.loaded = rows
@@ -510,8 +560,8 @@ class SchedulerPlanner:
         sources = dict.fromkeys(SOURCES, 0)
         if tracked is None:
             return TierSupply(0, sources)
-        if tracked.lookup is not None:
-            tracked.lookup.future.cancel()
+        self._drop_lookup(tracked.lookup)
+        self._drop_match(tracked)
         # The tokens still counted as loaded (a failed load shortens them), block by block.
         bs = self.tier_tokens
         first, start = tracked.sources_from

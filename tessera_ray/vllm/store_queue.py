@@ -18,6 +18,7 @@ import torch
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import TierUnavailableError
 from tessera_ray.vllm.backend import TierBackend
+from tessera_ray.vllm.cpus import off_compute_cores
 from tessera_ray.vllm.stats import ConnectorCounters
 
 __all__ = ["StoreQueue", "StoreBatch"]
@@ -36,7 +37,9 @@ class StoreQueue:
     ) -> None:
         self.tier = tier
         self.counters = counters
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-save")
+        self._writer = ThreadPoolExecutor(
+            1, thread_name_prefix="tessera-connector-save", initializer=off_compute_cores
+        )
         self._slots = threading.BoundedSemaphore(max_pending)
         self._lock = threading.Lock()
         self._done: list[int] = []

@@ -22,7 +22,7 @@ import numpy as np
 
 from tessera_ray.actors.config import PoolServiceConfig
 from tessera_ray.actors.links import LocalDirectory
-from tessera_ray.actors.messages import BlockCheck, BlockReads
+from tessera_ray.actors.messages import BlockCheck, BlockReads, PinTicket
 from tessera_ray.actors.pool_service import PoolService
 from tessera_ray.core.results import TokenKey
 from tessera_ray.layout import ModelLayout
@@ -64,9 +64,14 @@ class LocalTier(TierBackend):
         return submit_on_loop(self._lookup(namespace, list(keys)))
 
     def read(
-        self, namespace: str, keys: Sequence[TokenKey], hits: Sequence[TierHit] | None = None
+        self,
+        namespace: str,
+        keys: Sequence[TokenKey],
+        hits: Sequence[TierHit] | None = None,
+        ticket: PinTicket | None = None,
     ) -> BlockReads:
-        # One pool holds everything: the holders a lookup found are this one.
+        # One pool holds everything: the holders a lookup found are this one (its lookups
+        # pin nothing, so no ticket comes here).
         return self._run("tier read", self.service.read_blocks(namespace, list(keys)))
 
     def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:

@@ -15,15 +15,16 @@ from the bytes as the pool computes it); pins end once the step's copies are don
 not the one the scheduler's lookup returned, is the check: under one token key another pool may
 hold different, equally valid bytes (KV recomputed by an engine that is not bitwise
 reproducible), and refusing those would recompute the block on every request. Only verified
-blocks are copied into the cache, one layer at a time as each attention layer asks for it, and
-only the positions vLLM counts as loaded; a block that is missing or fails the check, and
-every later block of the same request, is not copied at all and its engine blocks are reported
-as load errors, so vLLM recomputes from there.
+blocks are copied into the cache, and only the positions vLLM counts as loaded; a block that is
+missing or fails the check, and every later block of the same request, is not copied at all and
+its engine blocks are reported as load errors, so vLLM recomputes from there.
 
-A layer's load is copied when its attention asks for it (``wait_for_layer_load``), after vLLM
-wrote the step's own KV: the positions are disjoint, so the order does not matter. A layer whose
-attention ran without asking would have attended to missing context: its loads are not copied
-late but reported as failed, so vLLM recomputes them.
+The read thread lands the verified blocks one layer at a time, in layer order, while the forward
+computes the layers before (:mod:`~tessera_ray.vllm.landing`); a layer's attention waits for its
+own layer only (``wait_for_layer_load``). vLLM writes the step's own KV at other positions, so
+the two never touch the same rows. A layer whose attention ran without asking may have attended
+to missing context: its loads are reported as failed, so vLLM recomputes them, as are the loads
+of a step whose landing missed its deadline.
 
 Saves copy the rows of tier blocks completed this step into host staging rows as each layer's
 attention finishes; the tier store itself runs on a background thread, off the forward path.
@@ -32,20 +33,23 @@ attention finishes; the tier store itself runs on a background thread, off the f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tessera_ray.actors.messages import BlockReads
+from tessera_ray.actors.messages import BlockReads, PinTicket
 from tessera_ray.core.results import TokenKey
 from tessera_ray.errors import LayoutError, TierUnavailableError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import MAPPED
 from tessera_ray.vllm.backend import TierBackend
+from tessera_ray.vllm.cpus import off_compute_cores
+from tessera_ray.vllm.landing import StepLanding
 from tessera_ray.vllm.loads import LoadOutcome, LoadRun, land_run, staged, verified_block
 from tessera_ray.vllm.planes import LayerPlanes, mla_planes
 from tessera_ray.vllm.records import BlockLoad, StepPlan
@@ -90,23 +94,26 @@ class WorkerMover:
         self.can_save = can_save
         self.timeout_s = timeout_s
         self._layers: dict[str, _Layer] = {}
-        # Reads run on their own thread, so start_load_kv returns at once and the first layers'
-        # work before attention overlaps the tier round trip; stores on another, off the
-        # forward path, at most max_pending_saves steps behind.
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-connector-read")
+        # Reads and landings run on their own thread, so start_load_kv returns at once and the
+        # forward's work overlaps the tier round trip and the copies into the cache; stores on
+        # another, off the forward path, at most max_pending_saves steps behind.
+        self._reader = ThreadPoolExecutor(
+            1, thread_name_prefix="tessera-connector-read", initializer=off_compute_cores
+        )
         self._stores = StoreQueue(tier, self.counters, max_pending=max_pending_saves)
         self._closed = False
-        self._pending: Future[LoadOutcome] | None = None
+        self._landing: StepLanding | None = None
+        self._order: list[_Layer] = []
         self._reset()
 
     def _reset(self) -> None:
-        if self._pending is not None:  # a step that never finished: its pins end here
+        if self._landing is not None:  # a step that never finished: its pins end here
+            self._landing.stop()
             self.tier.end_reads()
         self._plan = StepPlan()
-        self._pending = None
+        self._landing = None
         self._outcome: LoadOutcome | None = None
-        self._copied: set[int] = set()
-        self._late = False
+        self._waited: set[int] = set()
         self._save_src: torch.Tensor | None = None
         self._save_rows: torch.Tensor | None = None
         self._saved_layers: set[int] = set()
@@ -147,6 +154,7 @@ class WorkerMover:
                 "are not supported by the connector"
             )
         self._layers = layers
+        self._order = sorted(layers.values(), key=lambda layer: layer.index)
         self.tier.prepare_reads()
 
     # ---------------------------------------------------------------- loads
@@ -167,8 +175,15 @@ class WorkerMover:
     def start(self, plan: StepPlan) -> None:
         """Begin this step's loads: read and verify them in the background."""
         self._step(plan)
-        if plan.loads and self._pending is None:
-            self._pending = self._reader.submit(self._read_and_verify, plan.loads)
+        if plan.loads and self._landing is None and self._order:
+            landing = self._landing = StepLanding(len(self._order))
+            self._reader.submit(
+                landing.run,
+                functools.partial(self._read_and_verify, plan.loads),
+                self._land_layer,
+                range(len(self._order)),
+                self._order[0].planes.device,
+            )
 
     def _read_and_verify(self, loads: Sequence[BlockLoad]) -> LoadOutcome:
         outcome = LoadOutcome()
@@ -181,8 +196,9 @@ class WorkerMover:
         for i, (namespace, group) in enumerate(by_ns.items()):
             keys = [k for load in group for k in load.token_keys]
             hits = [h for load in group for h in load.hits]
+            ticket = self._lookup_pin(group)
             try:
-                reads = self.tier.read(namespace, keys, hits)
+                reads = self.tier.read(namespace, keys, hits, ticket)
             except TierUnavailableError as exc:  # the tier is down or slow: recompute
                 self.counters.add(tier_failures=1)
                 log.warning("tier read of %d blocks failed: %s", len(keys), exc)
@@ -236,13 +252,25 @@ class WorkerMover:
                 log.warning("reporting %d unverified blocks failed: %s", len(keys), exc)
         return outcome
 
+    def _lookup_pin(self, group: Sequence[BlockLoad]) -> PinTicket | None:
+        """The pin the scheduler's lookup made of a lone load's blocks, read in place without
+        asking the pool again; several loads of a namespace are read in one call, so their
+        lookups' pins (each of one request's blocks) are ended and the read pins them all."""
+        if len(group) == 1:
+            return group[0].ticket
+        for load in group:
+            if load.ticket is not None:
+                self.tier.unpin(load.ticket)
+        return None
+
     def _loaded(self) -> LoadOutcome | None:
-        if self._outcome is None and self._pending is not None:
+        if self._outcome is None and self._landing is not None:
             try:
-                self._outcome = self._pending.result(self.timeout_s)
+                self._outcome = self._landing.outcome(self.timeout_s)
             except TimeoutError:
                 self.counters.add(tier_failures=1)
                 log.warning("tier read took over %.1f s; recomputing its blocks", self.timeout_s)
+                self._landing.stop()
                 self._outcome = self._all_failed()
         return self._outcome
 
@@ -253,11 +281,10 @@ class WorkerMover:
             failed_requests={load.req_id for load in self._plan.loads},
         )
 
-    def _copy_layer(self, layer: _Layer) -> None:
-        outcome = self._loaded()
-        if outcome is None or not outcome.runs or layer.index in self._copied:
-            return
-        self._copied.add(layer.index)
+    def _land_layer(self, index: int, outcome: LoadOutcome) -> None:
+        """On the read thread (:class:`StepLanding`): layer ``index``'s share of the verified
+        runs, written into its cache."""
+        layer = self._order[index]
         offset = layer.index * self.page_bytes
         for run in outcome.runs:
             # The layer's pages of the part's blocks, as [blocks, T, row] (a strided view).
@@ -267,11 +294,17 @@ class WorkerMover:
             land_run(layer.planes, pages, run, self.engine_tokens)
 
     def wait_layer(self, plan: StepPlan, name: str) -> None:
-        """Make layer ``name``'s share of this step's verified blocks present in its cache."""
+        """Return once layer ``name``'s share of this step's verified blocks is in its cache
+        (landed by the read thread, usually while earlier layers computed)."""
         self._step(plan)
         layer = self._layers.get(name)
-        if layer is not None and self._pending is not None:
-            self._copy_layer(layer)
+        landing = self._landing
+        if layer is None or landing is None or layer.index in self._waited:
+            return
+        self._waited.add(layer.index)
+        outcome = self._loaded()
+        if outcome is not None and outcome.runs:
+            landing.wait_layer(layer.index, self.timeout_s)
 
     # ---------------------------------------------------------------- saves
 
@@ -298,18 +331,25 @@ class WorkerMover:
         tokens this step attended to blocks that were not there."""
         self._stores.raise_error()
         self._step(plan)
-        if self._pending is not None:
-            missed = [layer for layer in self._layers.values() if layer.index not in self._copied]
+        if self._landing is not None:
+            missed = [layer for layer in self._order if layer.index not in self._waited]
             outcome = self._loaded()
+            # Nothing is written into the cache after this: the pinned pages may be reused.
+            landed = self._landing.finish(self.timeout_s)
             pinned = self.tier.end_reads()  # every layer's copy out of pinned pages is done
-            # A layer asked for after this copies nothing: the pinned pages may be reused now.
-            self._copied.update(layer.index for layer in self._layers.values())
-            if outcome is not None and outcome.runs and (missed or not pinned):
+            self._waited.update(layer.index for layer in self._order)
+            if outcome is not None and outcome.runs and (missed or not pinned or not landed):
                 if missed:
                     log.error(
                         "vLLM ran attention of %d layers without waiting for their loads; "
                         "reporting this step's loaded blocks as failed so vLLM recomputes them",
                         len(missed),
+                    )
+                elif not landed:
+                    log.error(
+                        "this step's loads did not land in vLLM's cache within %.1f s; "
+                        "reporting them as failed so vLLM recomputes them",
+                        self.timeout_s,
                     )
                 else:
                     log.error(
@@ -353,7 +393,7 @@ class WorkerMover:
 
     def take_load_errors(self) -> set[int]:
         """Engine block ids whose load failed this step (reported once)."""
-        outcome = self._loaded() if self._pending is not None else None
+        outcome = self._loaded() if self._landing is not None else None
         if outcome is None:
             return set()
         failed, outcome.failed_blocks = outcome.failed_blocks, set()

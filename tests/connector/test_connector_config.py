@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,13 +17,16 @@ import pytest
 import torch
 
 from tessera_ray.actors.directory import Holder, Tier
+from tessera_ray.actors.messages import BlockReads, PinnedBlock, PinTicket
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.vllm import connector
-from tessera_ray.vllm.backend import TierHit
+from tessera_ray.vllm.backend import PinnedHits, TierBackend, TierHit
 from tessera_ray.vllm.connector import TesseraConnectorConfig, tenant_namespace
 from tessera_ray.vllm.keys import payload_block_hash
+from tessera_ray.vllm.landing import StepLanding
+from tessera_ray.vllm.loads import LoadOutcome, LoadRun
 from tessera_ray.vllm.records import BlockLoad, CachedScheduled, NewScheduled, StepPlan, TokenRows
 from tessera_ray.vllm.scheduler import TIER_SOURCES_PARAM, TIER_TOKENS_PARAM, SchedulerPlanner
 from tessera_ray.vllm.tiers import LocalTier
@@ -503,10 +508,11 @@ def test_rows_saved_from_one_engine_load_into_another_byte_for_byte(engine_token
         assert bool((flat_b[untouched] == 7.0).all())
 
 
-def test_a_load_whose_attention_did_not_wait_is_reported_not_copied_late() -> None:
-    """Should vLLM run a layer's attention without asking for its load, copying the rows after
-    the forward would leave this step's tokens computed without that context: the blocks are
-    reported as failed (vLLM recomputes them) instead."""
+def test_a_load_whose_attention_did_not_wait_is_reported_failed() -> None:
+    """Should vLLM run a layer's attention without asking for its load, this step's tokens may
+    have been computed without that context (the read thread lands layers ahead, but nothing
+    says it was ahead of that attention): the blocks are reported as failed, so vLLM recomputes
+    them, and whatever landed is the verified bytes, never anything else."""
     tier = LocalTier(LAYOUT, num_blocks=4, device="cpu", timeout_s=10.0)
     rows = np.random.default_rng(3).integers(0, 256, (1, LAYOUT.block_bytes), dtype=np.uint8)
     keys = [TokenKey(b"\x05" * 32)]
@@ -517,7 +523,11 @@ def test_a_load_whose_attention_did_not_wait_is_reported_not_copied_late() -> No
     mover.start(plan)
     mover.finish(plan)
     assert mover.take_load_errors() == {1}
-    assert all(not kv.any() for kv in caches.values())
+    page = LAYOUT.groups[0].page.page_bytes
+    for name, kv in caches.items():
+        i = int(name.split(".")[1])
+        got = kv[1].reshape(-1).view(torch.uint8).numpy()
+        assert not got.any() or np.array_equal(got, rows[0][i * page : (i + 1) * page])
 
 
 def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> None:
@@ -573,3 +583,149 @@ def test_the_old_module_path_still_loads_the_connector_with_a_warning() -> None:
         old = importlib.import_module("tessera_ray.serve.connector")
     assert old.TesseraConnectorConfig is TesseraConnectorConfig
     assert set(old.__all__) == set(connector.__all__)
+
+
+class _PinningTier(TierBackend):
+    """A tier whose lookups pin what they find (one ticket per lookup), recording unpins."""
+
+    layout = LAYOUT
+    timeout_s = 5.0
+
+    def __init__(self, held: dict[TokenKey, BlockHash]) -> None:
+        self.held = held
+        self.issued: list[int] = []
+        self.unpinned: list[int] = []
+
+    def lookup_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[list[TierHit | None]]:
+        raise AssertionError("a pinning tier is asked through lookup_pinned_async")
+
+    def lookup_pinned_async(
+        self, namespace: str, keys: Sequence[TokenKey]
+    ) -> concurrent.futures.Future[PinnedHits]:
+        hits: list[TierHit | None] = []
+        for k in keys:
+            if k not in self.held:
+                break
+            hits.append(TierHit(self.held[k], (Holder("p0", Tier.MEMORY),)))
+        blocks = tuple(
+            PinnedBlock(k, h.block_hash, ((0,),), ((0,),))
+            for k, h in zip(keys[: len(hits)], hits, strict=True)
+            if h is not None
+        )
+        ticket = None
+        if blocks:
+            self.issued.append(len(self.issued) + 1)
+            ticket = PinTicket(self.issued[-1], "p0", namespace, blocks, 1e12)
+        future: concurrent.futures.Future[PinnedHits] = concurrent.futures.Future()
+        future.set_result(([*hits, *[None] * (len(keys) - len(hits))], ticket))
+        return future
+
+    def unpin(self, ticket: PinTicket) -> None:
+        self.unpinned.append(ticket.id)
+
+    def read(
+        self,
+        namespace: str,
+        keys: Sequence[TokenKey],
+        hits: Sequence[TierHit] | None = None,
+        ticket: PinTicket | None = None,
+    ) -> BlockReads:
+        raise AssertionError("the planner reads nothing")
+
+    def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[Any]:
+        return []
+
+    def store(self, namespace: str, keys: Sequence[TokenKey], payloads: np.ndarray) -> None:
+        raise AssertionError("the planner stores nothing")
+
+
+def test_the_lookups_pin_travels_in_the_plan_and_every_unused_pin_is_ended() -> None:
+    """The scheduler's lookup pins the blocks its node's pool holds and the load in the step's
+    plan carries that ticket to the worker (the read starts without asking the pool); a match
+    vLLM does not take (asked again, allocated fewer blocks, or the request ends first) has its
+    pin ended, never left to the lease."""
+    tokens = list(range(1, 200))  # three whole tier blocks, the last one left to vLLM
+    probe = _planner(_Tier())
+    keys = probe._keys(probe._track(_Request("x", tokens)), 3)
+    tier = _PinningTier({k: BlockHash(bytes([i]) * 16) for i, k in enumerate(keys[:2], 1)})
+    planner = SchedulerPlanner(
+        tier, LAYOUT, namespace="app", model_name="m", block_tokens=64, can_load=True,
+        can_save=False, pin_on_lookup=True,
+    )  # fmt: skip
+    request = _Request("a", tokens)
+    assert planner.matched_tokens(request, 0) == 128
+    planner.after_alloc(request, [5, 6, 7], 128)
+    (load,) = planner.build([NewScheduled("a", [5, 6, 7], 0, 199)], []).loads
+    assert load.ticket is not None and load.ticket.id == 1 and len(load.ticket.blocks) == 2
+    assert tier.unpinned == []  # the worker ends it
+    # Asked again before vLLM allocates: the first match's pin ends with it.
+    other = _Request("b", tokens)
+    assert planner.matched_tokens(other, 0) == 128
+    assert planner.matched_tokens(other, 0) == 128
+    assert tier.unpinned == [2]
+    # Allocated fewer tokens than matched: the pin of two blocks ends, the load carries none.
+    planner.after_alloc(other, [8], 64)
+    (load,) = planner.build([NewScheduled("b", [8, 9, 10], 0, 199)], []).loads
+    assert load.ticket is None and tier.unpinned == [2, 3]
+    # The request ends before vLLM takes its match.
+    assert planner.matched_tokens(_Request("c", tokens), 0) == 128
+    planner.finished("c")
+    assert tier.unpinned == [2, 3, 4]
+
+
+def test_the_read_thread_lands_every_layer_before_its_attention_asks() -> None:
+    """The step's verified blocks land in every layer's cache on the read thread, without any
+    layer asking (the forward computes meanwhile); a layer that asks then finds its rows there,
+    and the step reports no load error."""
+    tier = LocalTier(LAYOUT, num_blocks=4, device="cpu", timeout_s=10.0)
+    rows = np.random.default_rng(4).integers(0, 256, (1, LAYOUT.block_bytes), dtype=np.uint8)
+    keys = [TokenKey(b"\x06" * 32)]
+    tier.store("ns", keys, rows)
+    hashes = [h.block_hash for h in tier.lookup("ns", keys) if h is not None]
+    mover, caches = _mover(tier, 3)
+    plan = StepPlan(loads=(_load(keys, hashes, [2]),))
+    mover.start(plan)
+    page = LAYOUT.groups[0].page.page_bytes
+
+    def landed(i: int) -> bool:
+        got = caches[f"layer.{i}"][2].reshape(-1).view(torch.uint8).numpy()
+        return bool(np.array_equal(got, rows[0][i * page : (i + 1) * page]))
+
+    deadline = time.monotonic() + 10
+    while not all(landed(i) for i in range(LAYOUT.num_layers)):
+        assert time.monotonic() < deadline, "the read thread landed no layer on its own"
+        time.sleep(0.005)
+    for name, kv in caches.items():
+        mover.wait_layer(plan, name)
+        mover.save_layer(plan, name, kv)
+    mover.finish(plan)
+    assert mover.take_load_errors() == set()
+
+
+def test_a_landing_that_misses_its_deadline_stops_and_writes_nothing_after() -> None:
+    """A layer that has not landed when its attention has waited the deadline stops the
+    landing: the copy in progress finishes, none starts after, and the step counts as failed."""
+    release, started = threading.Event(), threading.Event()
+    landed: list[int] = []
+
+    def land(index: int, outcome: LoadOutcome) -> None:
+        started.set()
+        release.wait(10)
+        landed.append(index)
+
+    run = LoadRun(0, 0, 1, 0, TokenRows((0,), 0, 0, 64))
+    landing = StepLanding(3)
+    thread = threading.Thread(
+        target=landing.run,
+        args=(lambda: LoadOutcome(runs=[run]), land, range(3), torch.device("cpu")),
+    )
+    thread.start()
+    assert landing.outcome(10).runs == [run]
+    assert started.wait(10)
+    assert not landing.wait_layer(0, 0.05)  # layer 0 is still copying: too late
+    release.set()
+    thread.join(10)
+    assert landed == [0]  # the copy in progress finished; layers 1 and 2 never started
+    assert landing.failed and not landing.finish(0.1)

@@ -403,3 +403,63 @@ def test_a_read_from_the_pools_mapped_memory_is_not_copied_and_stays_pinned_unti
     assert not road.end_reads()
     assert road.end_reads()  # nothing held any more
     road.release_reads()
+
+
+def _pins_back_to(client: TesseraClient, pool: str, count: int) -> None:
+    deadline = time.monotonic() + 5.0  # an unpin is sent without waiting for its answer
+    while _pins(client, pool) != count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _pins(client, pool) == count
+
+
+def test_the_lookup_pins_what_this_pool_holds_and_the_read_starts_without_asking(
+    tier: TesseraClient,
+) -> None:
+    """The scheduler's lookup pins the run this node's pool holds; the worker's read, handed
+    that ticket in the step's plan, reads the pages in place without a call to the pool (no
+    pin served between lookup and read) and ends the pin when its copies are done."""
+    pool = tier.pools[0]
+    road = _node_tier(pool)
+    road.prepare_reads()
+    keys, rows = _blocks(3, 31)
+    road.store(NS, keys, rows)
+    before = _pins(tier, pool)
+    answer = road.lookup_pinned_async(NS, keys)
+    assert answer is not None
+    hits, ticket = answer.result(10)
+    assert [h is not None for h in hits] == [True, True, True]
+    assert ticket is not None and len(ticket.blocks) == 3
+    assert _pins(tier, pool) == before + 1
+    served = _served(tier, pool)
+    got = road.read(NS, keys, [h for h in hits if h is not None], ticket)
+    assert got.pinned and got.verified and np.array_equal(got.payloads, rows)
+    assert _served(tier, pool).get("pin", 0) == served.get("pin", 0)
+    assert road.lookup_pins == 1
+    assert road.end_reads()
+    _pins_back_to(tier, pool, before)
+    road.release_reads()
+
+
+def test_a_lookup_pin_no_read_can_use_is_ended_not_left_to_its_lease(
+    tier: TesseraClient,
+) -> None:
+    """A ticket for other blocks than the read asks for, or handed to a reader that cannot
+    read in place, is ended at once and the read goes its usual way; a miss pins nothing."""
+    pool = tier.pools[0]
+    keys, rows = _blocks(3, 32)
+    before = _pins(tier, pool)
+    missed = _node_tier(pool).lookup_pinned_async(NS, _blocks(2, 33)[0])
+    assert missed is not None and missed.result(10) == ([None, None], None)
+    for road, ask in ((_node_tier(pool), keys[:2]), (_node_tier(pool, nixl_staging_bytes=0), keys)):
+        road.prepare_reads()
+        road.store(NS, keys, rows)
+        answer = road.lookup_pinned_async(NS, keys)
+        assert answer is not None
+        hits, ticket = answer.result(10)
+        assert ticket is not None
+        got = road.read(NS, ask, [h for h in hits if h is not None][: len(ask)], ticket)
+        assert np.array_equal(got.payloads, rows[: len(ask)])
+        assert road.lookup_pins == 0
+        road.end_reads()
+        _pins_back_to(tier, pool, before)
+        road.release_reads()

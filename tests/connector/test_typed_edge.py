@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tessera_ray.actors.messages import BlockCheck, BlockReads
+from tessera_ray.actors.messages import BlockCheck, BlockReads, PinTicket
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import DirectoryUnavailableError, PoolUnavailableError, TierUnavailableError
 from tessera_ray.vllm.backend import TierBackend, TierHit, tier_call
@@ -41,7 +41,11 @@ class _FailingTier(TierBackend):
         return future
 
     def read(
-        self, namespace: str, keys: Sequence[TokenKey], hits: Sequence[TierHit] | None = None
+        self,
+        namespace: str,
+        keys: Sequence[TokenKey],
+        hits: Sequence[TierHit] | None = None,
+        ticket: PinTicket | None = None,
     ) -> BlockReads:
         self.reads += 1
         raise self.error
