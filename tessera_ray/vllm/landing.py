@@ -38,6 +38,7 @@ class StepLanding:
         self._landed = [threading.Event() for _ in range(num_layers)]
         self._device_events: list[Any] = [None] * num_layers
         self._lock = threading.Lock()  # held while a layer lands, so stop() waits for it
+        self._stopping = False  # read by the read thread before each layer: no copy starts
         self._stopped = False
         self.failed = False
         """A layer did not land in time (or the landing raised): the step's loads failed."""
@@ -59,7 +60,7 @@ class StepLanding:
         try:
             for index in order:
                 with self._lock:
-                    if self._stopped:
+                    if self._stopping:
                         return
                     if outcome.runs:
                         land(index, outcome)
@@ -94,6 +95,7 @@ class StepLanding:
 
     def stop(self) -> None:
         """No copy starts after this returns (one in progress finishes first)."""
+        self._stopping = True  # before the lock: the read thread may not take it again first
         with self._lock:
             self._stopped = True
 

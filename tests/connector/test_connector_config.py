@@ -724,8 +724,8 @@ def test_a_landing_that_misses_its_deadline_stops_and_writes_nothing_after() -> 
     thread.start()
     assert landing.outcome(10).runs == [run]
     assert started.wait(10)
+    threading.Timer(0.3, release.set).start()  # the copy in progress ends meanwhile
     assert not landing.wait_layer(0, 0.05)  # layer 0 is still copying: too late
-    release.set()
     thread.join(10)
     assert landed == [0]  # the copy in progress finished; layers 1 and 2 never started
     assert landing.failed and not landing.finish(0.1)
