@@ -462,8 +462,10 @@ class _LendingReads:
         self.staging = np.zeros((0, 0), np.uint8)
         read = LocalTier.read
 
-        def lent(tier: LocalTier, namespace: str, keys: Any, hits: Any = None) -> BlockReads:
-            reads = read(tier, namespace, keys, hits)
+        def lent(
+            tier: LocalTier, namespace: str, keys: Any, hits: Any = None, ticket: Any = None
+        ) -> BlockReads:
+            reads = read(tier, namespace, keys, hits, ticket)
             if self.staging.shape[1] != reads.payloads.shape[1]:
                 self.staging = np.zeros((64, reads.payloads.shape[1]), np.uint8)
             n = len(reads.payloads)
@@ -558,8 +560,10 @@ def test_a_pinned_read_ends_its_pin_after_every_copy_and_a_lapsed_pin_fails_the_
     writes: list[int] = []
     ended: list[int] = []  # the writes done when each pin ended
 
-    def pinned(tier: LocalTier, namespace: str, keys: Any, hits: Any = None) -> Any:
-        return dataclasses.replace(read(tier, namespace, keys, hits), pinned=True)
+    def pinned(
+        tier: LocalTier, namespace: str, keys: Any, hits: Any = None, ticket: Any = None
+    ) -> Any:
+        return dataclasses.replace(read(tier, namespace, keys, hits, ticket), pinned=True)
 
     def end_reads(tier: LocalTier) -> bool:
         ended.append(len(writes))
