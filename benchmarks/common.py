@@ -242,7 +242,32 @@ def machine_info() -> dict[str, Any]:
             info["mem_total_kib"] = int(f.readline().split()[1])
     except OSError:
         pass
+    info.update(_cpu_kind())
     return info
+
+
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+"""The vector extensions that pick vLLM's CPU kernels (and so what a CPU engine row measures)."""
+
+
+def _cpu_kind() -> dict[str, Any]:
+    """The CPU's model and which of ``_CPU_FLAGS`` it has (Linux), so rows from machines whose
+    CPUs differ are not read as one another's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    fields = dict(
+        (k.strip(), v.strip())
+        for k, _, v in (line.partition(":") for line in text.splitlines()[:40])
+        if k.strip() in ("model name", "flags")
+    )
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu_model": fields.get("model name", "?"),
+        "cpu_flags": [f for f in _CPU_FLAGS if f in flags],
+    }
 
 
 def write_result(

@@ -39,12 +39,13 @@ def limits(docs: list[dict[str, Any]], validation: list[dict[str, Any]]) -> str:
                 d["machine"].get("cpus"),
                 round(d["machine"].get("mem_total_kib", 0) / 2**20),
                 d["machine"].get("cuda") or "no GPU",
+                _cpu(d["machine"]),
             )
             for d in docs
         },
         key=str,
     )
-    listed = "; ".join(f"{c} CPUs, {m} GiB, {g}" for c, m, g in machines)
+    listed = "; ".join(f"{c} CPUs{cpu}, {m} GiB, {g}" for c, m, g, cpu in machines)
     text = f"Machines these results were measured on: {listed}.\n"
     ran = [(v, c) for v in validation if v.get("device") for c in v["checks"]]
     done = [f"{c['name']} ({c['status']})" for _, c in ran if c["status"] in ("ok", "missed")]
@@ -140,6 +141,13 @@ def gpu_checks(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cpu(machine: dict[str, Any]) -> str:
+    """`` (model: flags)`` where the result recorded its CPU (older results did not)."""
+    if "cpu_model" not in machine:
+        return " (CPU model not recorded)"
+    return f" ({machine['cpu_model']}: {', '.join(machine.get('cpu_flags', [])) or 'no AVX2'})"
+
+
 def render(docs: list[dict[str, Any]]) -> str:
     validation = [d for d in docs if "checks" in d]
     docs = [d for d in docs if "rows" in d]
@@ -151,7 +159,7 @@ def render(docs: list[dict[str, Any]]) -> str:
         parts.append(f"## {doc['benchmark']}\n")
         parts.append(
             f"`{doc['command']}` (commit {doc.get('commit') or 'not recorded'}, "
-            f"{doc.get('time', '?')}; {m.get('cpus')} CPUs, "
+            f"{doc.get('time', '?')}; {m.get('cpus')} CPUs{_cpu(m)}, "
             f"torch {m.get('torch', '?')}, GPU: {m.get('cuda') or 'none'})\n"
         )
         if doc.get("versions"):

@@ -6,7 +6,7 @@ aligned with it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, overload
@@ -23,6 +23,7 @@ __all__ = [
     "PinTicket",
     "BlockRead",
     "BlockReads",
+    "LayerCheck",
     "BlockCheck",
     "BlockRef",
     "EvictionReport",
@@ -88,6 +89,13 @@ class BlockRead(NamedTuple):
     """uint8 ``[block_bytes]``, every layer group's pages in order."""
 
 
+LayerCheck = Callable[[int, Sequence[int]], list[int]]
+"""``check(layer, rows)``: of the payload rows ``rows``, those whose page of layer ``layer``
+does not hash to the seal the pool holds for it; raises
+:class:`~tessera_ray.errors.TransferFailedError` where the pages' pool exited (whatever they
+hash to, they are no longer its pinned pages)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockReads:
     """What a pool read for a list of token keys, as columns: per key the block hash (``None``:
@@ -113,6 +121,10 @@ class BlockReads:
     """``payloads`` is a view of the pool's own pages (mapped into the reader's process), which
     stay as they are only while the read's pin holds: the tier ends the pin when the caller
     says it copied them (:meth:`~tessera_ray.vllm.backend.TierBackend.end_reads`)."""
+    check_layer: LayerCheck | None = None
+    """Set where nothing was hashed yet (a read in place of a mapped pool's pages): the caller
+    checks each layer's pages as it copies them, so the first layer waits for its own pages'
+    hashes only. A caller that does not call it verifies the payloads whole, as ever."""
 
     @classmethod
     def of(
@@ -124,6 +136,7 @@ class BlockReads:
         carrier: str = "",
         lent: bool = False,
         pinned: bool = False,
+        check_layer: LayerCheck | None = None,
     ) -> BlockReads:
         rows, held = [], 0
         for h in block_hashes:
@@ -131,7 +144,9 @@ class BlockReads:
             held += h is not None
         if held != len(payloads):
             raise ValueError(f"{held} blocks held, {len(payloads)} payload rows")
-        return cls(tuple(block_hashes), payloads, tuple(rows), verified, carrier, lent, pinned)
+        return cls(
+            tuple(block_hashes), payloads, tuple(rows), verified, carrier, lent, pinned, check_layer
+        )
 
     @classmethod
     def joined(cls, parts: Sequence[BlockReads]) -> BlockReads:

@@ -39,7 +39,6 @@ class StepLanding:
         self._device_events: list[Any] = [None] * num_layers
         self._lock = threading.Lock()  # held while a layer lands, so stop() waits for it
         self._stopping = False  # read by the read thread before each layer: no copy starts
-        self._stopped = False
         self.failed = False
         """A layer did not land in time (or the landing raised): the step's loads failed."""
 
@@ -85,7 +84,7 @@ class StepLanding:
         step's loads count as failed."""
         if not self._landed[index].wait(timeout_s):
             self.stop()
-        ok = not self._stopped and not self.failed and self._landed[index].is_set()
+        ok = not self._stopping and not self.failed and self._landed[index].is_set()
         event = self._device_events[index]
         if ok and event is not None:
             torch.cuda.current_stream().wait_event(event)
@@ -96,12 +95,15 @@ class StepLanding:
     def stop(self) -> None:
         """No copy starts after this returns (one in progress finishes first)."""
         self._stopping = True  # before the lock: the read thread may not take it again first
-        with self._lock:
-            self._stopped = True
+        with self._lock:  # a copy in progress ends before this returns
+            pass
 
     def finish(self, timeout_s: float) -> bool:
         """Wait for every layer to land (then nothing of this step is written any more);
         ``False``, with the landing stopped, when it did not in time or failed."""
+        if self._stopping:  # stopped already (a late read or layer): wait for no deadline again
+            self.stop()
+            return False
         landed = all(done.wait(timeout_s) for done in self._landed)
         self.stop()
         return landed and not self.failed

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tessera_ray.actors.messages import BlockRead
-from tessera_ray.core.results import BlockHash
+from tessera_ray.actors.messages import BlockRead, LayerCheck
+from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.vllm.keys import payload_block_hash
-from tessera_ray.vllm.planes import LayerPlanes
+from tessera_ray.vllm.planes import LayerPlanes, consecutive_runs
 from tessera_ray.vllm.records import TokenRows
 
-__all__ = ["LoadRun", "LoadOutcome", "land_run", "staged", "verified_block"]
+__all__ = ["LoadRun", "LoadOutcome", "PartCheck", "land_run", "staged", "verified_block"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class LoadRun:
     count: int
     skip: int
     rows: TokenRows
+    req_id: str = ""
 
 
 @dataclass(slots=True)
@@ -53,6 +54,21 @@ class LoadOutcome:
     runs: list[LoadRun] = field(default_factory=list)
     failed_blocks: set[int] = field(default_factory=set)
     failed_requests: set[str] = field(default_factory=set)
+    checks: dict[int, PartCheck] = field(default_factory=dict)
+    """By part: the parts read in place, whose pages are checked one layer at a time, each
+    layer's just before it lands."""
+
+
+@dataclass(slots=True)
+class PartCheck:
+    """A part read in place, not hashed yet (:attr:`BlockReads.check_layer`)."""
+
+    check: LayerCheck
+    namespace: str
+    keys: list[TokenKey | None]
+    """Per payload row, its token key (reported to the tier when its pages do not match)."""
+    failed: bool = False
+    """A page did not match (or its pool exited): none of the part lands from then on."""
 
 
 def staged(payloads: np.ndarray) -> torch.Tensor:
@@ -112,16 +128,39 @@ def _land_blocks(
         for j in range(k):
             planes.write_tokens(ids, src[j::k], j * t)
         return
-    # A tier block is k engine blocks: slot j of each tier block (every k-th engine id, so
-    # one copy per block where runs of consecutive ids would allow fewer).
+    # A tier block is k engine blocks: the run's engine block r is slot (u0 + r) % k of
+    # staged tier block (u0 + r) // k. Where the engine ids come in long runs of consecutive
+    # ids (vLLM hands out a fresh cache's blocks in order), per run: its whole tier blocks in
+    # one copy, the slots before and after in one per tier block. Else per slot: every k-th
+    # engine id, one copy per run of consecutive ids among those (cheaper per copy in Python,
+    # so better where the ids lie scattered and most copies are of one block anyway).
     k = t // e
     slots = blocks.view(len(blocks), k, e, blocks.shape[2])
     u0 = at // e
+    runs = consecutive_runs(ids.tolist())
+    if m >= 2 * k * len(runs):  # runs of two tier blocks or more, on average
+        for i, j, block in runs:
+            for u, q, s, n in _pieces(u0 + i, u0 + j, k):
+                src = slots[q : q + max(1, n // k), s : s + min(n, k)]
+                planes.write_groups(block + u - u0 - i, src)
+        return
     for j in range(k):
         u = u0 + (j - u0) % k  # the run's first engine block in slot j
         if u < u0 + m:
             got = ids[u - u0 :: k]
             planes.write_tokens(got, slots[u // k : u // k + len(got), j])
+
+
+def _pieces(u: int, stop: int, k: int) -> list[tuple[int, int, int, int]]:
+    """Engine slots ``[u, stop)`` of staged tier blocks of ``k`` slots, as copies: ``(u, tier
+    block, first slot, slots)``, whole tier blocks together (``slots`` a multiple of ``k``)."""
+    out = []
+    while u < stop:
+        q, s = divmod(u, k)
+        n = (stop - u) // k * k if s == 0 and stop - u >= k else min(k - s, stop - u)
+        out.append((u, q, s, n))
+        u += n
+    return out
 
 
 def verified_block(

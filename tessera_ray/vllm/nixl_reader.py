@@ -4,10 +4,11 @@ or one-sided over NIXL where it cannot be mapped; each page is hashed and checke
 content hash the pool sealed it under. A request's blocks are one pin and one hash pass.
 
 Where the pool's host memory is mapped here, the blocks are not copied out at all: the worker
-hashes the pinned pages where they are and copies them from there into vLLM's cache, once, while
-the pin holds (the pool neither writes nor frees a pinned page; the pin ends when the worker's
-step has copied them, or the copies count as failed if it lapsed first). Otherwise they are
-copied into staging memory the worker registered once, and hashed where they land.
+hashes the pinned pages where they are, one layer at a time, and copies each layer's from there
+into vLLM's cache, once, right after its hashes matched, while the pin holds (the pool neither
+writes nor frees a pinned page; the pin ends when the worker's step has copied them, or the
+copies count as failed if it lapsed first). Otherwise they are copied into staging memory the
+worker registered once, and hashed where they land.
 
 Through Ray's object store a read costs the pool a copy into shared memory and the worker the
 page faults of fresh object-store pages, on every step; over NIXL the bytes cross once, by the
@@ -18,6 +19,7 @@ transport's own copy, and the pool only pins and unpins. The staging memory hold
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -73,12 +75,13 @@ class PoolReader:
         return self.transport.carrier(self.peer)
 
     def read(self, ticket: PinTicket, timeout_s: float) -> BlockReads | None:
-        """The pinned blocks' bytes, each page hashed and checked against what the pool sealed
-        it with; a block that does not match reads as not held (the caller recomputes it).
+        """The pinned blocks' bytes, each page checked against what the pool sealed it with; a
+        block that does not match reads as not held (the caller recomputes it).
 
         In place where the pool's memory is mapped here and the blocks lie at a constant stride
         in it (each block's layers on consecutive pages, as a pool allocates them): a strided
-        view of the pool's pages, ``pinned`` (valid while the caller keeps the pin). Else
+        view of the pool's pages, ``pinned`` (valid while the caller keeps the pin), hashed
+        by the caller one layer at a time as it copies them (``check_layer``). Else
         copied into the staging memory and lent (valid until the next read); ``None`` where
         they do not fit it."""
         held = [(i, b) for i, b in enumerate(ticket.blocks) if b is not None]
@@ -129,22 +132,26 @@ class PoolReader:
     ) -> BlockReads:
         content_hash, page_bytes = self.staging.content_hash_fn, self.staging.page_bytes
         hashes: list[BlockHash | None] = [None] * len(ticket.blocks)
-        good: list[int] = []
-        for j, (i, block) in enumerate(held):
-            pages = rows[j].reshape(self.layers, page_bytes)
-            digests = tuple(content_hash(page.data, seed) for page in pages)
-            if digests == tuple(block.content_hashes[0]):
-                hashes[i] = block.block_hash
-                good.append(j)
-            else:
-                log.warning("a block pinned in place does not match its seal; recomputing it")
-        if not mapped.alive():  # its pages may be a dead pool's, whatever it sealed
-            raise TransferFailedError(f"pool {self.peer!r} exited during an in-place read")
+        for i, block in held:
+            hashes[i] = block.block_hash
+        seals = [block.content_hashes[0] for _, block in held]
+
+        def check_layer(layer: int, which: Sequence[int]) -> list[int]:
+            at = layer * page_bytes
+            bad = [
+                j
+                for j in which
+                if content_hash(rows[j, at : at + page_bytes].data, seed) != seals[j][layer]
+            ]
+            if not mapped.alive():  # its pages may be a dead pool's, whatever it sealed
+                raise TransferFailedError(f"pool {self.peer!r} exited during an in-place read")
+            if bad:
+                log.warning("%d blocks pinned in place do not match their seals", len(bad))
+            return bad
+
         self.in_place_reads += 1
-        self.in_place_bytes += len(good) * self.layout.block_bytes
-        if len(good) < len(held):  # the good rows picked out: a copy, owned by the caller
-            return BlockReads.of(hashes, rows[good], verified=True, carrier=MAPPED)
-        return BlockReads.of(hashes, rows, verified=True, carrier=MAPPED, pinned=True)
+        self.in_place_bytes += len(held) * self.layout.block_bytes
+        return BlockReads.of(hashes, rows, carrier=MAPPED, pinned=True, check_layer=check_layer)
 
     def _read_copied(
         self, ticket: PinTicket, held: list[tuple[int, PinnedBlock]], seed: int, timeout_s: float

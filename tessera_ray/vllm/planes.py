@@ -24,7 +24,7 @@ import torch
 
 from tessera_ray.errors import LayoutError
 
-__all__ = ["LayerPlanes", "PLANE_BUILDERS", "mla_planes"]
+__all__ = ["LayerPlanes", "PLANE_BUILDERS", "consecutive_runs", "mla_planes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ class LayerPlanes:
             rows = (blocks.reshape(-1, 1) * self.block_tokens + offsets).reshape(-1)
             self.scatter(rows, values.reshape(n * length, -1))
             return
-        runs = _consecutive(blocks.tolist())
+        runs = consecutive_runs(blocks.tolist())
         at = 0
         for p in self.planes:
             width, t2 = _numel(p.shape[3:]), p.shape[2]
@@ -112,8 +112,28 @@ class LayerPlanes:
                 dest[block : block + j - i].copy_(part[i:j])
             at += width
 
+    def write_groups(self, first_block: int, values: torch.Tensor, first: int = 0) -> None:
+        """Write ``values`` (``[q, k, L, row_values]``, any strides) into tokens ``[first,
+        first + L)`` of the ``q x k`` consecutive cache blocks from ``first_block``, block
+        ``first_block + i x k + j`` from ``values[i, j]``: one slice copy per plane where
+        :meth:`write_tokens` would need one per ``k``-th block (the ``k`` engine blocks of
+        each of ``q`` staged tier blocks, which lie at the staging's stride, not side by
+        side)."""
+        q, k, length = values.shape[0], values.shape[1], values.shape[2]
+        if any(first % p.shape[2] or length % p.shape[2] for p in self.planes):
+            ids = torch.arange(first_block, first_block + q * k)
+            self.write_tokens(ids, values.reshape(q * k, length, -1), first)
+            return
+        at = 0
+        for p in self.planes:
+            width, t2 = _numel(p.shape[3:]), p.shape[2]
+            part = values[..., at : at + width].reshape(q, k, length // t2, t2, *p.shape[3:])
+            dest = p[first_block : first_block + q * k, first // t2 : (first + length) // t2]
+            dest.view(q, k, *dest.shape[1:]).copy_(part)
+            at += width
 
-def _consecutive(blocks: list[int]) -> list[tuple[int, int, int]]:
+
+def consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
     """``blocks`` as runs of consecutive ids: ``(i, j, blocks[i])`` for each maximal run
     ``blocks[i:j]`` (vLLM hands a new request's blocks out mostly in order)."""
     runs, i = [], 0

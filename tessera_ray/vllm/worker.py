@@ -44,13 +44,20 @@ import torch
 
 from tessera_ray.actors.messages import BlockReads, PinTicket
 from tessera_ray.core.results import TokenKey
-from tessera_ray.errors import LayoutError, TierUnavailableError
+from tessera_ray.errors import LayoutError, TierUnavailableError, TransportError
 from tessera_ray.layout import ModelLayout
 from tessera_ray.transport import MAPPED
 from tessera_ray.vllm.backend import TierBackend
 from tessera_ray.vllm.cpus import off_compute_cores
 from tessera_ray.vllm.landing import StepLanding
-from tessera_ray.vllm.loads import LoadOutcome, LoadRun, land_run, staged, verified_block
+from tessera_ray.vllm.loads import (
+    LoadOutcome,
+    LoadRun,
+    PartCheck,
+    land_run,
+    staged,
+    verified_block,
+)
 from tessera_ray.vllm.planes import LayerPlanes, mla_planes
 from tessera_ray.vllm.records import BlockLoad, StepPlan
 from tessera_ray.vllm.scheduler import check_block_sizes, check_paged_layout
@@ -211,6 +218,13 @@ class WorkerMover:
                 payloads = payloads.copy()  # the next read reuses the memory these rows are in
             part = len(outcome.parts)
             outcome.parts.append(staged(payloads))
+            checked = reads.verified or reads.check_layer is not None  # else hashed here
+            if reads.check_layer is not None:
+                row_keys: list[TokenKey | None] = [None] * len(payloads)
+                for key, row in zip(keys, reads.rows, strict=True):
+                    if row >= 0:
+                        row_keys[row] = key
+                outcome.checks[part] = PartCheck(reads.check_layer, namespace, row_keys)
             first = 0  # the load's first key among ``keys``
             for load in group:
                 # The load's verified leading tier blocks: consecutive rows of the payloads.
@@ -219,9 +233,7 @@ class WorkerMover:
                     block = reads[first + j]
                     if block is None:
                         break
-                    if not verified_block(
-                        self.layout, namespace, block, hit.block_hash, reads.verified
-                    ):
+                    if not verified_block(self.layout, namespace, block, hit.block_hash, checked):
                         unverified.setdefault(namespace, []).append(key)
                         break
                     n += 1
@@ -237,7 +249,7 @@ class WorkerMover:
                     skip = load.rows.start - load.tier_position
                     used = -(-(end - load.tier_position) // t)
                     to = dataclasses.replace(load.rows, stop=end)
-                    outcome.runs.append(LoadRun(part, row, used, skip, to))
+                    outcome.runs.append(LoadRun(part, row, used, skip, to, load.req_id))
                 if end < load.rows.stop:
                     # This tier block and every later one of the request: vLLM recomputes
                     # from the first failed engine block, so later ones would be overwritten.
@@ -283,15 +295,50 @@ class WorkerMover:
 
     def _land_layer(self, index: int, outcome: LoadOutcome) -> None:
         """On the read thread (:class:`StepLanding`): layer ``index``'s share of the verified
-        runs, written into its cache."""
+        runs, written into its cache; a part read in place has this layer's pages checked
+        against their seals first, and lands nothing more once one does not match."""
         layer = self._order[index]
         offset = layer.index * self.page_bytes
+        for index_of_part, check in outcome.checks.items():
+            if not check.failed:
+                self._check_layer(outcome, index_of_part, check, layer.index)
         for run in outcome.runs:
+            failed = outcome.checks.get(run.part)
+            if failed is not None and failed.failed:
+                continue
             # The layer's pages of the part's blocks, as [blocks, T, row] (a strided view).
             part = outcome.parts[run.part]
             pages = part[:, offset : offset + self.page_bytes].view(layer.planes.dtype)
             pages = pages.reshape(len(part), self.tier_tokens, -1)
             land_run(layer.planes, pages, run, self.engine_tokens)
+
+    def _check_layer(self, outcome: LoadOutcome, part: int, check: PartCheck, layer: int) -> None:
+        """Hash layer ``layer``'s pages of the part's rows that land; where one does not match
+        (or the pool exited), the part's loads fail from their first position: vLLM recomputes
+        them (the layers landed before held verified bytes, which it overwrites)."""
+        runs = [run for run in outcome.runs if run.part == part]
+        rows = sorted({r for run in runs for r in range(run.first, run.first + run.count)})
+        try:
+            bad = check.check(layer, rows)
+        except TransportError as exc:
+            log.warning("an in-place read failed at layer %d (%s); recomputing it", layer, exc)
+            self.counters.add(tier_failures=1)
+            bad = []
+            check.failed = True
+        if not bad and not check.failed:
+            return
+        check.failed = True
+        e = self.engine_tokens
+        for run in runs:
+            outcome.failed_blocks |= run.rows.blocks_from(run.rows.start, e)
+            outcome.failed_requests.add(run.req_id)
+        keys = [key for r in bad if (key := check.keys[r]) is not None]
+        if keys:
+            try:  # the tier drops what rotted in it, so the next save stores it afresh
+                self.tier.report_unverified(check.namespace, keys)
+            except TierUnavailableError as exc:
+                self.counters.add(tier_failures=1)
+                log.warning("reporting %d unverified blocks failed: %s", len(keys), exc)
 
     def wait_layer(self, plan: StepPlan, name: str) -> None:
         """Return once layer ``name``'s share of this step's verified blocks is in its cache

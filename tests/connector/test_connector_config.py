@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tessera_ray.actors.directory import Holder, Tier
-from tessera_ray.actors.messages import BlockReads, PinnedBlock, PinTicket
+from tessera_ray.actors.messages import BlockCheck, BlockReads, PinnedBlock, PinTicket
+from tessera_ray.core.hashing import xxh3_128
 from tessera_ray.core.results import BlockHash, TokenKey
 from tessera_ray.errors import LayoutError, TierConfigError
 from tessera_ray.layout import MLAConfig, build_layout
@@ -575,6 +576,74 @@ def test_load_takes_other_valid_bytes_under_a_key_and_refuses_rotten_ones() -> N
     assert _run_step(mover, caches, StepPlan(loads=(load,))) == set()
 
 
+class _InPlaceTier(LocalTier):
+    """Reads as a pool's mapped pages do: not hashed, each layer's pages checked by the
+    worker as it lands them; ``rot`` (row, layer) flips a byte of that page first."""
+
+    def __init__(self, rot: tuple[int, int]) -> None:
+        super().__init__(LAYOUT, num_blocks=4, device="cpu", timeout_s=10.0)
+        self.rot = rot
+        self.checked: list[tuple[int, list[int]]] = []
+        self.reported: list[TokenKey] = []
+
+    def read(
+        self,
+        namespace: str,
+        keys: Sequence[TokenKey],
+        hits: Sequence[TierHit] | None = None,
+        ticket: PinTicket | None = None,
+    ) -> BlockReads:
+        sealed = super().read(namespace, keys, hits, ticket)
+        page = LAYOUT.groups[0].page.page_bytes
+        pages = sealed.payloads.copy()
+        seals = [[xxh3_128(r[i * page : (i + 1) * page].data, 0) for i in (0, 1)] for r in pages]
+        row, layer = self.rot
+        pages[row, layer * page + 5] ^= 0x01
+
+        def check(layer: int, which: Sequence[int]) -> list[int]:
+            self.checked.append((layer, list(which)))
+            at = layer * page
+            return [
+                j for j in which if xxh3_128(pages[j, at : at + page].data, 0) != seals[j][layer]
+            ]
+
+        return BlockReads.of(sealed.block_hashes, pages, pinned=True, check_layer=check)
+
+    def report_unverified(self, namespace: str, keys: Sequence[TokenKey]) -> list[BlockCheck]:
+        self.reported += keys
+        return []
+
+
+def test_pages_read_in_place_are_checked_layer_by_layer_and_a_rotten_one_stops_its_load() -> None:
+    """A read in place is hashed one layer at a time, just before that layer lands: layer 0's
+    pages match and land; block 0's layer-1 page has rotted, so nothing of layer 1 lands, the
+    request's blocks are reported failed (vLLM recomputes them) and the pool is told which
+    block rotted. Never a byte that did not match its seal in vLLM's cache."""
+    tier = _InPlaceTier(rot=(0, 1))
+    rows = np.random.default_rng(5).integers(0, 256, (2, LAYOUT.block_bytes), dtype=np.uint8)
+    keys = [TokenKey(bytes([40 + i]) * 32) for i in range(2)]
+    tier.store("ns", keys, rows)
+    hashes = [h.block_hash for h in tier.lookup("ns", keys) if h is not None]
+    mover, caches = _mover(tier, 3)
+    assert _run_step(mover, caches, StepPlan(loads=(_load(keys, hashes, (2, 0)),))) == {2, 0}
+    assert tier.checked == [(0, [0, 1]), (1, [0, 1])]
+    page = LAYOUT.groups[0].page.page_bytes
+    for block_id, row in ((2, rows[0]), (0, rows[1])):
+        got = caches["layer.0"][block_id].reshape(-1).view(torch.uint8).numpy()
+        assert np.array_equal(got, row[:page])
+    assert not caches["layer.1"].any()
+    assert tier.reported == [keys[0]]
+    counts = mover.counters.take()
+    assert counts is not None and counts["failed_blocks"] == 2
+
+    tier = _InPlaceTier(rot=(0, 0))  # rotten in layer 0: nothing lands at all
+    tier.store("ns", keys, rows)
+    mover, caches = _mover(tier, 3)
+    assert _run_step(mover, caches, StepPlan(loads=(_load(keys, hashes, (2, 0)),))) == {2, 0}
+    assert tier.checked == [(0, [0, 1])]  # not hashed again once the part failed
+    assert all(not kv.any() for kv in caches.values())
+
+
 def test_the_old_module_path_still_loads_the_connector_with_a_warning() -> None:
     import sys
 
@@ -729,3 +798,30 @@ def test_a_landing_that_misses_its_deadline_stops_and_writes_nothing_after() -> 
     thread.join(10)
     assert landed == [0]  # the copy in progress finished; layers 1 and 2 never started
     assert landing.failed and not landing.finish(0.1)
+
+
+def test_a_step_whose_read_was_late_ends_without_waiting_its_deadline_again() -> None:
+    """A read that missed its deadline stopped the landing already: the step's end reports it
+    failed at once instead of waiting the deadline a second time for layers that never land."""
+    release = threading.Event()
+
+    def read() -> LoadOutcome:
+        release.wait(10)
+        return LoadOutcome(runs=[LoadRun(0, 0, 1, 0, TokenRows((0,), 0, 0, 64))])
+
+    landed: list[int] = []
+    landing = StepLanding(2)
+    thread = threading.Thread(
+        target=landing.run,
+        args=(read, lambda i, _: landed.append(i), range(2), torch.device("cpu")),
+    )
+    thread.start()
+    with pytest.raises(TimeoutError):
+        landing.outcome(0.05)
+    landing.stop()  # what the worker does when the read is late
+    started = time.monotonic()
+    assert not landing.finish(5.0)
+    assert time.monotonic() - started < 1.0
+    release.set()
+    thread.join(10)
+    assert landed == []  # the late outcome landed nothing

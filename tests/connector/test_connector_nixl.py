@@ -50,22 +50,30 @@ def test_reads_from_this_nodes_pool_take_its_mapped_memory_and_match_the_seal(
     reader.store(NS, keys[:3], rows[:3])
     got = reader.read(NS, keys)  # the 4th was never stored
     assert [g is None for g in got] == [False, False, False, True]
-    assert got.carrier == "mapped" and got.verified
+    # Read in place, not hashed yet: the caller checks each layer's pages as it lands them.
+    assert got.carrier == "mapped" and got.pinned and not got.verified
+    assert got.check_layer is not None
+    assert [got.check_layer(layer, [0, 1, 2]) for layer in range(LAYOUT.num_layers)] == [
+        [] for _ in range(LAYOUT.num_layers)
+    ]
     assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows[:3])
     assert [g.block_hash for g in got if g is not None] == [
         payload_block_hash(LAYOUT, NS, r) for r in rows[:3]
     ]
     assert reader.end_reads()
 
-    # Page 1 of block 1 rots in the pool's memory: that block reads as not held (the load
-    # recomputes it), the others still land.
+    # Page 1 (layer 1) of block 1 rots in the pool's memory: read in place, the check of
+    # layer 1 names that block (the caller lands none of it from there), every other page
+    # still matches.
     actor = tier.pool(reader.pool)
     ticket = ray.get(actor.pin.remote(NS, [keys[1]]))
     slot = ticket.blocks[0].slots[0][1]
     ray.get(actor.unpin.remote(ticket.id))
     _rot(ray.get(actor.peer_info.remote()), slot)
     got = reader.read(NS, keys[:3])
-    assert [g is None for g in got] == [False, True, False]
+    assert got.check_layer is not None
+    assert got.check_layer(0, [0, 1, 2]) == [] and got.check_layer(1, [0, 1, 2]) == [1]
+    assert got.check_layer(1, [0, 2]) == []
     assert np.array_equal(got[2].payload, rows[2])  # type: ignore[union-attr]
     assert reader.end_reads()
     # Read in reverse, the blocks lie at no forward stride: copied out, checked where they land.

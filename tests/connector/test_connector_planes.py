@@ -120,6 +120,30 @@ def test_block_writes_from_strided_pages_equal_row_writes(
     )
 
 
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
+@pytest.mark.parametrize(("first", "length"), [(0, N), (16, 16), (8, 8)])
+def test_grouped_writes_from_strided_pages_equal_row_writes(
+    packing: str, first: int, length: int
+) -> None:
+    """``write_groups`` of one staged tier block's two engine blocks (a strided view: a layer's
+    page among the others) into consecutive cache blocks 1 and 2 leaves the cache exactly as
+    the row-by-row scatter of the same tokens, and block 0 as it was."""
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(B, N, H, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(B, N, H, D, generator=gen).to(torch.bfloat16)
+    by_groups, by_rows = PACKINGS[packing](k, v), PACKINGS[packing](k, v)
+    staged = torch.randn(1, 2, 2, length, 2 * H * D, generator=gen).to(torch.bfloat16)
+    new = staged[:, :, 1]  # [1 tier block, 2 engine blocks, length, row]: not contiguous
+    assert not new.is_contiguous()
+    PLANE_BUILDERS[packing](by_groups, D).write_groups(1, new, first)
+    offsets = torch.arange(first, first + length)
+    rows = torch.cat([1 * N + offsets, 2 * N + offsets])
+    PLANE_BUILDERS[packing](by_rows, D).scatter(rows, new.reshape(2 * length, -1))
+    assert torch.equal(by_groups, by_rows)
+    assert torch.equal(by_groups[0], PACKINGS[packing](k, v)[0])
+    assert not torch.equal(by_groups, PACKINGS[packing](k, v))
+
+
 def test_mla_planes_are_token_rows_and_refuse_another_shape() -> None:
     cache = torch.arange(4 * 16 * 576, dtype=torch.float32).view(4, 1, 16, 576)
     planes = mla_planes(cache, 16)

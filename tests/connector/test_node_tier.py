@@ -25,6 +25,7 @@ from tessera_ray.actors.announce import PoolAnnouncement, announce, process_star
 from tessera_ray.actors.channel import ChannelAddress, ChannelClient
 from tessera_ray.actors.client import TesseraClient
 from tessera_ray.actors.directory import Holder, Tier
+from tessera_ray.actors.messages import BlockReads
 from tessera_ray.actors.pool_link import PoolLink
 from tessera_ray.layout import MLAConfig, build_layout
 from tessera_ray.vllm import node_tier, pool_tier
@@ -58,6 +59,14 @@ def _served(client: TesseraClient, pool: str) -> dict[str, int]:
     return dict(ray.get(actor.__ray_call__.remote(lambda self: self._channel_server.served)))
 
 
+def _every_page_matches(got: BlockReads) -> bool:
+    """A read in place, each layer's pages of every row matching its seal."""
+    rows = range(len(got.payloads))
+    return got.check_layer is not None and not any(
+        got.check_layer(layer, rows) for layer in range(LAYOUT.num_layers)
+    )
+
+
 def _node_tier(pool: str, **extra: Any) -> NodeTier:
     config = TesseraConnectorConfig(ray_namespace=RAY_NS, pool=pool, **extra)
     entry = announced_pool(config)
@@ -88,7 +97,7 @@ print(json.dumps({{
     "hits": [h is not None for h in hits],
     "equal": bool(np.array_equal(np.stack([g.payload for g in got]), rows)),
     "carrier": got.carrier,
-    "verified": got.verified,
+    "checked": [got.check_layer(i, [0, 1, 2]) for i in range(t.layout.num_layers)],
     "ray": sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")),
 }}))
 t.release_reads()
@@ -101,7 +110,7 @@ t.release_reads()
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["road"] == "NodeTier"
     assert seen["hits"] == [True, True, True]
-    assert seen["equal"] and seen["verified"]
+    assert seen["equal"] and seen["checked"] == [[], []]  # read in place, every page matches
     assert seen["carrier"] == "mapped"
     assert seen["ray"] == [], "the engine's process imported Ray"
 
@@ -217,7 +226,7 @@ def test_a_hit_held_only_on_another_pool_is_pulled_into_this_one_then_read(
     after = _served(tier, here)
     assert _served(tier, there).get("pin", 0) > pins_there  # pulled from there, over its channel
     assert np.array_equal(np.stack([g.payload for g in got if g is not None]), rows)
-    assert got.verified
+    assert _every_page_matches(got)
     assert after.get("pull", 0) - before.get("pull", 0) == 1
     # Now held here: the next lookup is answered by this pool alone.
     again = road.lookup(NS, keys)
@@ -384,7 +393,7 @@ def test_a_read_from_the_pools_mapped_memory_is_not_copied_and_stays_pinned_unti
     road.store(NS, keys, rows)
     before = _pins(tier, pool)
     got = road.read(NS, keys, road.lookup(NS, keys))
-    assert got.pinned and not got.lent and got.verified
+    assert got.pinned and not got.lent and _every_page_matches(got)
     assert np.array_equal(got.payloads, rows)
     mapped = reader.transport.mapped_peer(reader.peer)
     assert mapped is not None
@@ -432,7 +441,7 @@ def test_the_lookup_pins_what_this_pool_holds_and_the_read_starts_without_asking
     assert _pins(tier, pool) == before + 1
     served = _served(tier, pool)
     got = road.read(NS, keys, [h for h in hits if h is not None], ticket)
-    assert got.pinned and got.verified and np.array_equal(got.payloads, rows)
+    assert got.pinned and _every_page_matches(got) and np.array_equal(got.payloads, rows)
     assert _served(tier, pool).get("pin", 0) == served.get("pin", 0)
     assert road.lookup_pins == 1
     assert road.end_reads()

@@ -516,17 +516,23 @@ def test_a_hit_is_copied_once_from_where_its_read_landed_into_the_cache(
     _store(model_dir, extra, stored, block=block)
     lending = _LendingReads(monkeypatch)
     writes: list[tuple[int, bool]] = []
-    write_tokens, scatter = LayerPlanes.write_tokens, LayerPlanes.scatter
+    write_tokens, write_groups = LayerPlanes.write_tokens, LayerPlanes.write_groups
+    scatter = LayerPlanes.scatter
 
     def counted_write(planes: LayerPlanes, ids: torch.Tensor, values: torch.Tensor, *a: Any):
         writes.append((values.numel() * values.element_size(), lending.holds(values)))
         return write_tokens(planes, ids, values, *a)
+
+    def counted_groups(planes: LayerPlanes, first: int, values: torch.Tensor, *a: Any) -> None:
+        writes.append((values.numel() * values.element_size(), lending.holds(values)))
+        write_groups(planes, first, values, *a)
 
     def counted_scatter(planes: LayerPlanes, rows: torch.Tensor, values: torch.Tensor) -> None:
         writes.append((values.numel() * values.element_size(), lending.holds(values)))
         scatter(planes, rows, values)
 
     monkeypatch.setattr(LayerPlanes, "write_tokens", counted_write)
+    monkeypatch.setattr(LayerPlanes, "write_groups", counted_groups)
     monkeypatch.setattr(LayerPlanes, "scatter", counted_scatter)
     second = Engine(vllm_config(model_dir, extra, block_size=block))
     tokens = stored[:192] + prompt(40, 1)
@@ -557,6 +563,7 @@ def test_a_pinned_read_ends_its_pin_after_every_copy_and_a_lapsed_pin_fails_the_
     stored = prompt(200)
     first = _store(model_dir, extra, stored)
     read, write_tokens = LocalTier.read, LayerPlanes.write_tokens
+    write_groups = LayerPlanes.write_groups
     writes: list[int] = []
     ended: list[int] = []  # the writes done when each pin ended
 
@@ -573,9 +580,14 @@ def test_a_pinned_read_ends_its_pin_after_every_copy_and_a_lapsed_pin_fails_the_
         writes.append(values.numel())
         write_tokens(planes, ids, values, *a)
 
+    def counted_groups(planes: LayerPlanes, first: int, values: torch.Tensor, *a: Any) -> None:
+        writes.append(values.numel())
+        write_groups(planes, first, values, *a)
+
     monkeypatch.setattr(LocalTier, "read", pinned)
     monkeypatch.setattr(LocalTier, "end_reads", end_reads, raising=False)
     monkeypatch.setattr(LayerPlanes, "write_tokens", counted)
+    monkeypatch.setattr(LayerPlanes, "write_groups", counted_groups)
     second = Engine(vllm_config(model_dir, extra))
     tokens = stored[:192] + prompt(40, 1)
     second.scheduler.add_request(second.request("B", tokens))
