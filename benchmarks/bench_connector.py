@@ -12,7 +12,9 @@ Rows, each the hit's bytes over the stage's median wall time (GB/s), against one
 memcpy of the same bytes measured in the same run:
 
 - ``read_local_node``: the worker's read of a hit this node's pool holds: pin over the channel,
-  one copy out of the pool's mapped memory with the hash checked as it lands, unpin;
+  the pages read where they lie in the pool's mapped memory and every layer's hashes checked
+  (the worker checks each layer's just before it copies them into vLLM's cache, a copy this row
+  does not make), unpin;
 - ``read_pulled_node``: a hit only the other pool holds: the lookup (which starts the pull into
   this node's pool), then the read (waits for the pull, pins, copies);
 - ``read_answer_node``: the same read with no mapped reader (the road of a hybrid layout's
@@ -95,6 +97,17 @@ def _lookups(road: Any, keys: list[bytes]) -> None:
     beside the rest)."""
     for _ in range(LOOKUPS):
         road.lookup(NS, keys)
+
+
+def _checked_read(road: Any, keys: list[bytes], hits: Any, layers: int) -> Any:
+    """The worker's read with every page checked against its seal: a read in place hands the
+    check to its caller, which runs it layer by layer as it lands them (the worker)."""
+    got = road.read(NS, keys, hits)
+    if got.check_layer is not None:
+        rows = range(len(got.payloads))
+        bad = [b for layer in range(layers) for b in got.check_layer(layer, rows)]
+        assert not bad, f"pages {bad} do not match their seals"
+    return got
 
 
 def _lookup_then_read(road: Any, keys: list[bytes]) -> Any:
@@ -194,7 +207,8 @@ def measure(tokens: int, runs: int) -> list[Row]:
             stages["lookup_node"].time(partial(_lookups, node, keys))
             stages["lookup_ray"].time(partial(_lookups, by_ray, keys))
             for name, road in reads.items():
-                got = stages[name].time(partial(road.read, NS, keys, found))
+                read = partial(_checked_read, road, keys, found, layout.num_layers)
+                got = stages[name].time(read)
                 assert all(g is not None for g in got), f"{name} missed"
             stages["store_node"].time(partial(node.store, NS, *hit(100 + r)))
             time.sleep(0.2)
