@@ -139,6 +139,24 @@ class LayerGroups:
             return None
         return [list(h) for h in per_group if h is not None]
 
+    def reference_pinned(self, namespace: str, key: TokenKey) -> tuple[Handles, PinnedBlock] | None:
+        """:meth:`reference` and :meth:`pinned` in one pass over the block's pages (a lookup's
+        pin takes every block of a prompt while the engine's scheduler waits)."""
+        views = [pool.lookup_sealed(namespace, key) for pool in self.pools]
+        if any(v is None for v in views):
+            for pool, v in zip(self.pools, views, strict=True):
+                if v is not None:
+                    pool.release_many(list(v[0]))
+            return None
+        held = [v for v in views if v is not None]
+        block = PinnedBlock(
+            key,
+            self.hashes[(namespace, key)],
+            tuple(v[1] for v in held),
+            tuple(v[2] for v in held),
+        )
+        return [list(v[0]) for v in held], block
+
     def contains(self, namespace: str, key: TokenKey) -> bool:
         return self.pools[0].contains(namespace, key)
 

@@ -195,18 +195,19 @@ class PoolService:
         namespace = self.gate.resolve(access, write=False)
         check_keys(namespace, token_keys)
         lease = self.writer.lease_s(lease_s)
-        taken = self._take(namespace, token_keys)
-        for i, key in enumerate(token_keys):
-            if i not in taken and (
+        held: list[Handles] = []
+        blocks: list[PinnedBlock | None] = []
+        for key in token_keys:
+            got = self.groups.reference_pinned(namespace, key)
+            if got is None and (
                 (namespace, key) in self._on_disk or (namespace, key) in self.groups.hashes
             ):
-                self.writer.release(Lease(list(taken.values()), 0.0))
+                self.writer.release(Lease(held, 0.0))
                 return None
-        blocks = [
-            self.groups.pinned(namespace, key, taken[i]) if i in taken else None
-            for i, key in enumerate(token_keys)
-        ]
-        return self._ticket(namespace, list(taken.values()), blocks, lease)
+            if got is not None:
+                held.append(got[0])
+            blocks.append(None if got is None else got[1])
+        return self._ticket(namespace, held, blocks, lease)
 
     def _take(self, namespace: str, token_keys: Sequence[TokenKey]) -> dict[int, Handles]:
         """References on every block of ``token_keys`` already in memory, by position."""

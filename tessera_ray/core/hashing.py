@@ -15,9 +15,11 @@ Two different jobs, two different hashes:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import xxhash
 
@@ -38,6 +40,7 @@ ContentHashFn = Callable[[memoryview, int], int]
 TOKEN_KEY_BYTES = 32
 _ROOT_PARENT = bytes(TOKEN_KEY_BYTES)
 _MAX_TOKEN_ID = 2**63
+_PARENT_FRAME = struct.pack("<Q", TOKEN_KEY_BYTES)
 
 
 def xxh3_128(data: memoryview, seed: int) -> int:
@@ -68,18 +71,23 @@ def token_key(
     """
     if parent is not None and len(parent) != TOKEN_KEY_BYTES:
         raise ValueError(f"parent token key must be {TOKEN_KEY_BYTES} bytes, got {len(parent)}")
-    for t in token_ids:
-        if not 0 <= t < _MAX_TOKEN_ID:
-            raise ValueError(f"token id {t} out of range [0, 2**63)")
-    ids = struct.pack(f"<{len(token_ids)}Q", *token_ids)
-    blob = _framed(
-        b"tessera-token/1",
-        namespace.encode(),
-        fingerprint.encode(),
-        parent if parent is not None else _ROOT_PARENT,
-        ids,
-    )
-    return TokenKey(hashlib.sha256(blob).digest())
+    # min and max run in C; only a block that fails them is walked, to name its first bad id.
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= _MAX_TOKEN_ID):
+        bad = next(t for t in token_ids if not 0 <= t < _MAX_TOKEN_ID)
+        raise ValueError(f"token id {bad} out of range [0, 2**63)")
+    # The bytes of sha256(_framed(tag, namespace, fingerprint, parent, ids)), with the first
+    # three fields hashed once per (namespace, fingerprint) and that state copied: a lookup
+    # keys every block of a prompt, and those fields are the same for all of them.
+    h = _key_head(namespace, fingerprint).copy()
+    h.update(_PARENT_FRAME + (parent if parent is not None else _ROOT_PARENT))
+    h.update(struct.pack(f"<Q{len(token_ids)}Q", 8 * len(token_ids), *token_ids))
+    return TokenKey(h.digest())
+
+
+@functools.lru_cache(maxsize=64)
+def _key_head(namespace: str, fingerprint: str) -> Any:
+    """A sha256 fed the framed tag, namespace and fingerprint; only ever copied, never fed."""
+    return hashlib.sha256(_framed(b"tessera-token/1", namespace.encode(), fingerprint.encode()))
 
 
 def block_hash(page_hashes: Sequence[ContentHash], seed: int) -> BlockHash:

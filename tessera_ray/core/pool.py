@@ -338,6 +338,21 @@ class BlockPool:
         block = self._blocks.find(self._dedup.known(namespace), token_key)
         return None if block is None else self._pages.share(block.pages)
 
+    def lookup_sealed(
+        self, namespace: str, token_key: TokenKey
+    ) -> tuple[tuple[PageHandle, ...], tuple[int, ...], tuple[ContentHash, ...]] | None:
+        """:meth:`lookup`, with each page's slot and content hash: what a pin hands its reader,
+        read off the block's records rather than resolved again from every handle."""
+        block = self._blocks.find(self._dedup.known(namespace), token_key)
+        if block is None:
+            return None
+        pages = block.pages
+        return (
+            self._pages.share(pages),
+            tuple(r.index for r in pages),
+            tuple(ContentHash(r.digest) for r in pages),
+        )
+
     def lookup_many(
         self, namespace: str, token_keys: Sequence[TokenKey]
     ) -> list[tuple[PageHandle, ...] | None]:

@@ -137,3 +137,30 @@ def test_eviction_counts_the_room_it_frees_not_the_keys_that_leave() -> None:
     assert pool.status().blocks_free == 2
     assert pool.contains(NS, [*shared, *others]) == [None] * 4 + [Tier.MEMORY] * 2
     _consistent(pool)
+
+
+def test_a_resident_pin_names_every_groups_pages_and_their_seals() -> None:
+    """pin_resident reads each page's slot and content hash off the block's records: they
+    must be what the held handles resolve to, in every layer group, a shared page included,
+    and its references must be exactly the ticket's (released in full by the unpin)."""
+    pool = _pool(V4, 4, LocalDirectory(2))
+    rows = payloads(3, 5, pool.block_bytes)
+    rows[:, -V4.groups[-1].block_bytes :] = 0  # the last group's page shared by all three
+    ks = [*_keys(V4, 1, 0), *_keys(V4, 1, 10), *_keys(V4, 1, 20)]
+    for k, row in zip(ks, rows, strict=True):
+        run(pool.store(NS, [k], row[None]))
+    missing = _keys(V4, 1, 30)
+    ticket = pool.pin_resident(NS, [*ks, *missing])
+    assert ticket is not None and ticket.blocks[3] is None
+    lease = pool.leases.pins[ticket.id]
+    assert len(lease.handles) == 3
+    for key, block, held in zip(ks, ticket.blocks, lease.handles, strict=False):
+        assert block == pool.groups.pinned(NS, key, held)
+        assert len(block.slots) == len(V4.groups) == len(block.content_hashes)
+    assert len({b.slots[-1] for b in ticket.blocks[:3]}) == 1  # one shared page
+    assert np.array_equal(pool.read_pinned(ticket.id), rows)
+    free = pool.status().blocks_free
+    assert pool.unpin(ticket.id)
+    run(pool.evict(3))  # nothing is held any more: every block can leave
+    assert pool.status().blocks_in_memory == 0 and pool.status().blocks_free == free + 3
+    _consistent(pool)

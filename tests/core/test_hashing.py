@@ -35,11 +35,32 @@ def test_token_key_is_sha256_of_a_framed_encoding() -> None:
 
     blob = framed(b"tessera-token/1", b"t", b"fp", bytes(32), struct.pack("<2Q", 7, 8))
     assert token_key("t", "fp", None, [7, 8]) == hashlib.sha256(blob).digest()
+    # The same encoding along a chain of blocks, under several namespaces in turn (the key's
+    # head is hashed once per namespace and layout and reused): every key, parents and all.
+    parents: dict[str, bytes | None] = {"t": None, "u": None}
+    for block in range(6):
+        for ns in ("t", "u"):
+            ids = [block * 1000 + i for i in range(block)] + [2**63 - 1]
+            parent = parents[ns]
+            want = hashlib.sha256(
+                framed(
+                    b"tessera-token/1",
+                    ns.encode(),
+                    b"fp",
+                    parent if parent is not None else bytes(32),
+                    struct.pack(f"<{len(ids)}Q", *ids),
+                )
+            ).digest()
+            got = token_key(ns, "fp", parent, ids)  # type: ignore[arg-type]
+            assert got == want, (ns, block)
+            parents[ns] = got
 
 
 def test_token_key_validates_input() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="token id -1 out of range"):
         token_key("t", "fp", None, [-1])
+    with pytest.raises(ValueError, match=f"token id {2**63} out of range"):
+        token_key("t", "fp", None, [5, 2**63, -3])  # the first bad id is named
     with pytest.raises(ValueError):
         token_key("t", "fp", b"short", [1])  # type: ignore[arg-type]
 
