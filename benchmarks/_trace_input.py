@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "parse_trace_lines",
     "load_profile",
     "profile_from_dict",
+    "check_fits",
 ]
 
 TRACE_BLOCK_TOKENS = 512
@@ -204,3 +206,20 @@ def load_profile(path: Path) -> ModelProfile:
     except json.JSONDecodeError as e:
         raise TraceError(f"profile {path}: not valid JSON ({e.msg})") from None
     return profile_from_dict(raw, source=f"profile {path}")
+
+
+def check_fits(requests: Sequence[TraceRequest], profile: ModelProfile) -> None:
+    """Refuse, before any replay, a profile whose replica cannot hold one of the requests'
+    KV (prompt and output) even alone: the replay would stop at that request, with every
+    figure before it wasted. Names the profile, the first such request and how many there are."""
+    cap = profile.engine_cache_tokens
+    too_big = [r for r in requests if r.input_length + r.output_length > cap]
+    if too_big:
+        first = too_big[0]
+        raise TraceError(
+            f"profile {profile.name!r} cannot hold the trace: request {first.index} needs "
+            f"{first.input_length + first.output_length:,} KV tokens "
+            f"({first.input_length:,} prompt + {first.output_length:,} output), more than a "
+            f"replica's engine_cache_tokens ({cap:,}); {len(too_big)} of {len(requests)} "
+            "requests do not fit"
+        )

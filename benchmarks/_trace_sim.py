@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from _trace_input import TRACE_BLOCK_TOKENS, ModelProfile, TraceError, TraceRequest
+from _trace_input import TRACE_BLOCK_TOKENS, ModelProfile, TraceError, TraceRequest, check_fits
 from _trace_tier import EngineCache, NodeTier, SimDirectory
 
 from tessera_ray.actors.directory import Tier
@@ -203,6 +203,7 @@ class Fleet:
         ``router``; returns what happened. ``rounds``: a closed loop instead, as a client
         sends them: the requests of each round (by index), ``concurrency`` at a time, each
         next one when one is done, the next round when the whole round is."""
+        check_fits(requests, self.profile)
         self._reqs, self._keys, self._router = requests, keys, router
         self._private: dict[int, int] = {}  # started request -> its private KV tokens
         self._arrival_s: dict[int, float] = {}

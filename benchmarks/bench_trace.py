@@ -37,6 +37,7 @@ from _trace_input import (  # noqa: E402
     ModelProfile,
     TraceError,
     TraceRequest,
+    check_fits,
     load_profile,
     load_trace,
 )
@@ -283,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         profile = load_profile(ns.profile)
         requests = load_trace(ns.trace, 1500 if ns.quick and ns.limit is None else ns.limit)
+        check_fits(requests, profile)
     except TraceError as e:
         print(f"bench_trace: {e}", file=sys.stderr)
         return 2

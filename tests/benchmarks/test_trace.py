@@ -22,6 +22,7 @@ from _trace_input import (
     ModelProfile,
     TraceError,
     TraceRequest,
+    check_fits,
     load_profile,
     parse_trace_lines,
     profile_from_dict,
@@ -29,6 +30,7 @@ from _trace_input import (
 from _trace_routers import OverlapMinusLoad, RayPrefixAffinity, RoundRobin, TesseraRouter
 from _trace_sim import Fleet, bound_tokens, request_keys
 from bench_trace import DEFAULT_PROFILE
+from bench_trace import main as bench_main
 
 sys.path.pop(0)
 
@@ -126,6 +128,38 @@ def test_a_replica_without_kv_room_waits_and_one_too_small_is_refused() -> None:
     assert s.ttft_s == pytest.approx([1.024, 2.048])  # B waits for A's blocks to be evictable
     with pytest.raises(TraceError, match="engine_cache_tokens"):
         run(reqs, tier=False, replicas=1, prof=profile(engine_cache_tokens=1000))
+
+
+def test_a_profile_that_cannot_hold_a_request_is_refused_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The check runs before any request is replayed, and names the profile, the first request
+    that does not fit, what it needs, and how many others do not fit either."""
+    reqs = trace((0, 512, 0, [1]), (10, 1024, 8, [2, 3]), (20, 900, 200, [4, 5]))
+    small = profile(name="small", engine_cache_tokens=1024)
+    with pytest.raises(TraceError) as refused:
+        check_fits(reqs, small)
+    message = str(refused.value)
+    assert "profile 'small'" in message and "request 1 needs 1,032 KV tokens" in message
+    assert "(1,024 prompt + 8 output)" in message and "(1,024)" in message
+    assert "2 of 3 requests do not fit" in message
+    check_fits(reqs, profile(engine_cache_tokens=1100))  # every request fits: no error
+    fleet = Fleet(small, 1, tier=False)
+    with pytest.raises(TraceError, match="profile 'small' cannot hold the trace"):
+        fleet.run(reqs, request_keys(reqs), RoundRobin())  # not at request 1, mid-replay
+    # The benchmark's command line refuses it too, before it replays anything.
+    lines = [
+        json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids})
+        for t, n, o, ids in [(0, 512, 0, [1]), (10, 1024, 8, [2, 3])]
+    ]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    raw = json.loads(DEFAULT_PROFILE.read_text())
+    raw["engine_cache_tokens"] = 1024
+    (tmp_path / "p.json").write_text(json.dumps(raw))
+    out = tmp_path / "trace.json"
+    argv = ["--trace", str(tmp_path / "t.jsonl"), "--profile", str(tmp_path / "p.json")]
+    assert bench_main([*argv, "--replicas", "1", "--out", str(out)]) == 2
+    assert "cannot hold the trace: request 1" in capsys.readouterr().err and not out.exists()
 
 
 def test_a_closed_loop_sends_each_round_at_most_n_at_a_time() -> None:
