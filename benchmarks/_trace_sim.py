@@ -263,13 +263,9 @@ class Fleet:
         hit = rep.cache.hit_run(keys)
         plan = self._tier_plan(rep, keys[hit:]) if self.tier else []
         if not rep.cache.admit(keys, private):
-            if rep.running == 0:
-                raise TraceError(
-                    f"request {req.index} needs {req.input_length + req.output_length} KV "
-                    f"tokens, more than a replica's engine_cache_tokens "
-                    f"({self.profile.engine_cache_tokens})"
-                )
-            return  # waits for a running request to release its KV
+            # A request that fits no replica even alone was refused before the replay
+            # (check_fits); this one waits for a running request to release its KV.
+            return
         rep.waiting.popleft()
         self._private[i] = private
         loaded = len(plan)
